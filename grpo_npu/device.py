@@ -1,0 +1,296 @@
+"""The one place that knows about accelerators.
+
+Everything device-specific -- which accelerator is present, its ``torch.<module>``, the collective
+backend, visible-devices variable, Ray resource name, memory statistics, allocator settings and RNG
+seeding -- lives here. No other module in the package may touch ``torch.cuda`` or ``torch.npu``
+(``tests/test_device.py`` greps for it).
+
+Kinds are plain strings: ``"npu"`` (Ascend, through torch_npu), ``"cuda"`` and ``"cpu"``.
+``auto`` resolves to npu > cuda > cpu, and NPU is detected explicitly and first, because
+``torch_npu.contrib.transfer_to_npu`` (which we never import) can make ``torch.cuda`` answer for an
+NPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import random
+import resource
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+KINDS = ("npu", "cuda", "cpu")
+DEVICE_CHOICES = ("auto",) + KINDS
+
+_BACKEND = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+_VISIBLE_DEVICES_ENV = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES", "cpu": ""}
+_RAY_RESOURCE = {"npu": "NPU", "cuda": "GPU", "cpu": None}
+_ALLOC_CONF_ENV = {"npu": "PYTORCH_NPU_ALLOC_CONF", "cuda": "PYTORCH_CUDA_ALLOC_CONF", "cpu": ""}
+
+_GIB = 1024**3
+
+
+class DeviceError(RuntimeError):
+    """Asked for an accelerator that this machine or installation cannot provide."""
+
+
+# --------------------------------------------------------------------------------------------
+# Detection
+# --------------------------------------------------------------------------------------------
+def torch_npu_installed() -> bool:
+    """True when the torch_npu package can be imported (says nothing about a device being present)."""
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+def _import_torch_npu() -> ModuleType | None:
+    if not torch_npu_installed():
+        return None
+    try:
+        return importlib.import_module("torch_npu")
+    except Exception as exc:  # a torch_npu without CANN fails at import time
+        log.warning("torch_npu is installed but failed to import (%s); treating NPU as absent", exc)
+        return None
+
+
+def is_npu_available() -> bool:
+    """An Ascend NPU is usable: torch_npu imports and ``torch.npu.is_available()``."""
+    if _import_torch_npu() is None:
+        return False
+    npu = getattr(torch, "npu", None)
+    return bool(npu is not None and npu.is_available())
+
+
+def is_cuda_available() -> bool:
+    """A CUDA GPU is usable (only asked after NPU detection, see module docstring)."""
+    return torch.cuda.is_available()
+
+
+def resolve_kind(name: str = "auto") -> str:
+    """Turn ``trainer.device`` (auto|npu|cuda|cpu) into a concrete kind, or raise DeviceError."""
+    if name not in DEVICE_CHOICES:
+        raise DeviceError(f"trainer.device={name!r} is not one of {', '.join(DEVICE_CHOICES)}")
+    if name == "auto":
+        if is_npu_available():
+            return "npu"
+        if is_cuda_available():
+            return "cuda"
+        return "cpu"
+    if name == "npu" and not is_npu_available():
+        why = "torch_npu is not installed" if not torch_npu_installed() else "torch.npu.is_available() is False"
+        raise DeviceError(
+            f"trainer.device=npu but {why}; install torch_npu matching your torch and CANN "
+            "(see README 'Installing on Ascend'), or use trainer.device=auto|cuda|cpu"
+        )
+    if name == "cuda" and not is_cuda_available():
+        raise DeviceError(
+            "trainer.device=cuda but torch.cuda.is_available() is False "
+            f"(torch {torch.__version__} built {'with' if torch.version.cuda else 'without'} CUDA); "
+            "use trainer.device=auto|cpu"
+        )
+    return name
+
+
+# --------------------------------------------------------------------------------------------
+# The Device facade
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryStats:
+    """Device memory in bytes. On CPU, allocated/reserved are the process RSS and peak the max RSS."""
+
+    allocated: int
+    reserved: int
+    peak_allocated: int
+    peak_reserved: int
+    free: int
+    total: int
+    cpu_rss: int
+
+    def as_metrics(self, prefix: str = "perf/") -> dict[str, float]:
+        return {
+            f"{prefix}max_memory_allocated_gb": self.peak_allocated / _GIB,
+            f"{prefix}max_memory_reserved_gb": self.peak_reserved / _GIB,
+            f"{prefix}cpu_memory_used_gb": self.cpu_rss / _GIB,
+        }
+
+
+def _cpu_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # not Linux: fall back to the peak
+        return _cpu_peak_rss_bytes()
+
+
+def _cpu_peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss is KiB on Linux
+
+
+def _cpu_total_free() -> tuple[int, int]:
+    try:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                info[key] = int(value.split()[0]) * 1024
+        return info.get("MemAvailable", 0), info.get("MemTotal", 0)
+    except (OSError, ValueError):
+        return 0, 0
+
+
+@dataclass(frozen=True)
+class Device:
+    """A resolved device kind with the operations the trainer needs. Build with :func:`get_device`."""
+
+    kind: str
+
+    # -- names ------------------------------------------------------------------------------
+    @property
+    def module(self) -> ModuleType | None:
+        """``torch.npu`` / ``torch.cuda``; None on CPU."""
+        if self.kind == "npu":
+            _import_torch_npu()
+            return torch.npu  # type: ignore[attr-defined]
+        if self.kind == "cuda":
+            return torch.cuda
+        return None
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.kind != "cpu"
+
+    def torch_device(self, index: int | None = None) -> torch.device:
+        if self.kind == "cpu" or index is None:
+            return torch.device(self.kind)
+        return torch.device(self.kind, index)
+
+    def dist_backend(self, mixed: bool = False) -> str:
+        """Collective backend; ``mixed`` gives verl's 'cpu:gloo,npu:hccl' form (CPU tensors on gloo)."""
+        backend = _BACKEND[self.kind]
+        if mixed and self.kind != "cpu":
+            return f"cpu:gloo,{self.kind}:{backend}"
+        return backend
+
+    @property
+    def visible_devices_env(self) -> str:
+        """Environment variable that restricts visible devices ('' on CPU)."""
+        return _VISIBLE_DEVICES_ENV[self.kind]
+
+    @property
+    def ray_resource(self) -> str | None:
+        """Ray custom resource that counts these devices: 'NPU', 'GPU', or None on CPU."""
+        return _RAY_RESOURCE[self.kind]
+
+    @property
+    def alloc_conf_env(self) -> str:
+        """The allocator configuration environment variable ('' on CPU)."""
+        return _ALLOC_CONF_ENV[self.kind]
+
+    def supports_bf16(self) -> bool:
+        """bf16 matmuls at full speed. False on CPU: without AMX/AVX512-bf16 they are ~300x slower."""
+        return self.kind in ("npu", "cuda")
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.supports_bf16() else torch.float32
+
+    def device_count(self) -> int:
+        mod = self.module
+        return mod.device_count() if mod is not None else 1
+
+    def set_device(self, index: int) -> None:
+        if self.module is not None:
+            self.module.set_device(index)
+
+    # -- sync and memory ----------------------------------------------------------------------
+    def synchronize(self) -> None:
+        if self.module is not None:
+            self.module.synchronize()
+
+    def empty_cache(self) -> None:
+        if self.module is not None:
+            self.module.empty_cache()
+
+    def reset_peak_memory_stats(self) -> None:
+        if self.module is not None:
+            self.module.reset_peak_memory_stats()
+
+    def memory_stats(self) -> MemoryStats:
+        rss = _cpu_rss_bytes()
+        mod = self.module
+        if mod is None:
+            free, total = _cpu_total_free()
+            peak = _cpu_peak_rss_bytes()
+            return MemoryStats(rss, rss, peak, peak, free, total, rss)
+        free, total = mod.mem_get_info()
+        return MemoryStats(
+            allocated=mod.memory_allocated(),
+            reserved=mod.memory_reserved(),
+            peak_allocated=mod.max_memory_allocated(),
+            peak_reserved=mod.max_memory_reserved(),
+            free=int(free),
+            total=int(total),
+            cpu_rss=rss,
+        )
+
+    # -- allocator ----------------------------------------------------------------------------
+    def set_expandable_segments(self, enabled: bool) -> bool:
+        """Toggle expandable segments for NEW segments of this process. Returns whether it applied.
+
+        Uses ``torch.<mod>.memory._set_allocator_settings`` where it exists (torch_npu 7.3.0 line,
+        CUDA torch >= 2.4). Elsewhere (CPU, older torch_npu) it is a logged no-op: only the
+        environment variable works there, and only at process start.
+        """
+        mod = self.module
+        setter = getattr(getattr(mod, "memory", None), "_set_allocator_settings", None) if mod else None
+        if setter is None:
+            log.debug("expandable_segments=%s: no runtime allocator API on %s (no-op)", enabled, self.kind)
+            return False
+        setter(f"expandable_segments:{enabled}")
+        return True
+
+    def env_has_expandable_segments(self, environ: dict[str, str] | None = None) -> bool:
+        """Whether the allocator environment variable turns expandable segments on."""
+        environ = os.environ if environ is None else environ
+        name = self.alloc_conf_env or "PYTORCH_CUDA_ALLOC_CONF"
+        conf = environ.get(name, "") or environ.get("PYTORCH_ALLOC_CONF", "")
+        return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+    # -- randomness ---------------------------------------------------------------------------
+    def seed_everything(self, seed: int) -> None:
+        """Seed python, numpy, torch (CPU) and the accelerator's generators."""
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)  # also seeds every visible accelerator in torch >= 2.x
+        if self.module is not None:
+            self.module.manual_seed_all(seed)
+
+    def get_rng_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if self.module is not None:
+            state[self.kind] = self.module.get_rng_state()
+        return state
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if self.module is not None and self.kind in state:
+            self.module.set_rng_state(state[self.kind])
+
+
+def get_device(name: str = "auto") -> Device:
+    """Resolve ``trainer.device`` and return the Device; raises DeviceError if it is unavailable."""
+    return Device(resolve_kind(name))
+
