@@ -27,3 +27,19 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if kind in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    """The offline tiny Qwen2 + tokenizer kit, built once per test session (a few seconds)."""
+    from grpo_npu.models.tiny import build_tiny_model
+
+    cache = os.environ.get("GRPO_NPU_TEST_CACHE") or tmp_path_factory.mktemp("tiny_cache")
+    return str(build_tiny_model(cache))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)

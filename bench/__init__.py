@@ -1,0 +1,1 @@
+"""Benchmarks: each module measures grpo_npu against a baseline side by side and reports ratios."""

@@ -1,0 +1,87 @@
+"""Shared plumbing for benchmarks: a uniform result shape, a printed table and a JSON file.
+
+Each benchmark module ``bench/<name>.py`` exposes ``run(quick: bool = False) -> BenchResult`` and a
+``main()`` built with :func:`bench_main`. Results are ratios measured side by side in one process,
+never absolute timing thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class BenchResult:
+    """rows: one dict per measured configuration; targets: name -> (measured ratio, target, passed)."""
+
+    name: str
+    rows: list[dict] = field(default_factory=list)
+    targets: dict[str, dict] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def add_target(self, name: str, measured: float, target: float, higher_is_better: bool = True) -> None:
+        passed = measured >= target if higher_is_better else measured <= target
+        op = ">=" if higher_is_better else "<="
+        self.targets[name] = {"measured": measured, "target": f"{op} {target}", "passed": bool(passed)}
+
+    def table(self) -> str:
+        lines = [f"== {self.name} =="]
+        if self.rows:
+            cols = list(dict.fromkeys(k for row in self.rows for k in row))
+            cells = [[_fmt(row.get(c, "")) for c in cols] for row in self.rows]
+            widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+            lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+            lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+        for name, t in self.targets.items():
+            verdict = "PASS" if t["passed"] else "MISS"
+            lines.append(f"target {name}: {_fmt(t['measured'])} (want {t['target']}) {verdict}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def write_json(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(self), f, indent=2)
+        os.replace(tmp, path)
+        return path
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def timeit(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> float:
+    """Best-of-``repeat`` wall seconds of ``fn()`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_main(run: Callable[..., BenchResult], argv: list[str] | None = None) -> BenchResult:
+    parser = argparse.ArgumentParser(description=(run.__doc__ or "").strip().splitlines()[0] if run.__doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="small sizes for CI; ratios are indicative only")
+    parser.add_argument("--json", default=None, help="where to write the JSON result (default bench/results/<name>.json)")
+    args = parser.parse_args(argv)
+    result = run(quick=args.quick)
+    print(result.table())
+    out = result.write_json(args.json or RESULTS_DIR / f"{result.name}.json")
+    print(f"wrote {out}")
+    return result
