@@ -227,7 +227,7 @@ class Device:
         mod = self.module
         if mod is None:
             free, total = _cpu_total_free()
-            peak = _cpu_peak_rss_bytes()
+            peak = max(_cpu_peak_rss_bytes(), rss)  # ru_maxrss can trail statm by a page or two
             return MemoryStats(rss, rss, peak, peak, free, total, rss)
         free, total = mod.mem_get_info()
         return MemoryStats(

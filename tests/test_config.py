@@ -1,0 +1,204 @@
+"""Config: the verl seed command line, YAML/CLI precedence, validation messages, freezing, --help."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import shlex
+
+import pytest
+
+from grpo_npu import config as C
+from grpo_npu.config import ConfigError, derive, load_config
+
+SEED_COMMAND = """
+algorithm.adv_estimator=grpo data.train_files=/home/u/data/gsm8k/train.parquet
+data.val_files=/home/u/data/gsm8k/test.parquet data.train_batch_size=128 data.max_prompt_length=512
+data.max_response_length=128 data.filter_overlong_prompts=True data.truncation='error'
+actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct actor_rollout_ref.actor.optim.lr=5e-7
+actor_rollout_ref.model.use_remove_padding=False actor_rollout_ref.actor.entropy_coeff=0.001
+actor_rollout_ref.actor.ppo_mini_batch_size=64 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=20
+actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.001
+actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.model.enable_gradient_checkpointing=True
+actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40 actor_rollout_ref.rollout.enable_chunked_prefill=False
+actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.name=vllm
+actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40 actor_rollout_ref.ref.fsdp_config.param_offload=True
+algorithm.kl_ctrl.kl_coef=0.001 trainer.critic_warmup=0 trainer.logger=['console']
+trainer.project_name='verl_grpo_example_gsm8k' trainer.experiment_name='qwen2_7b_function_rm'
+trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.save_freq=-1 trainer.test_freq=5
+trainer.total_epochs=1 trainer.device=npu
+"""
+
+# A small valid base for the error tests.
+BASE = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "trainer.n_gpus_per_node=2",
+        "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
+
+
+def seed_args(*tiny_overrides: str) -> list[str]:
+    return shlex.split(SEED_COMMAND) + list(tiny_overrides)
+
+
+def test_seed_command_parses_with_verl_meanings():
+    cfg = load_config(seed_args("actor_rollout_ref.model.path=/tmp/tiny", "trainer.device=cpu"))
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.data.train_files == ("/home/u/data/gsm8k/train.parquet",)
+    assert cfg.data.val_files == ("/home/u/data/gsm8k/test.parquet",)
+    assert (cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.data.max_response_length) == (128, 512, 128)
+    assert cfg.data.filter_overlong_prompts is True and cfg.data.truncation == "error"
+    arr = cfg.actor_rollout_ref
+    assert arr.model.path == "/tmp/tiny"  # the later override wins
+    assert arr.actor.optim.lr == pytest.approx(5e-7)
+    assert arr.actor.entropy_coeff == pytest.approx(0.001)
+    assert arr.actor.use_kl_loss and arr.actor.kl_loss_type == "low_var_kl"
+    assert arr.model.enable_gradient_checkpointing is True and arr.model.use_remove_padding is False
+    assert arr.rollout.name == "vllm" and arr.rollout.n == 5 and arr.rollout.tensor_model_parallel_size == 2
+    assert arr.rollout.gpu_memory_utilization == pytest.approx(0.6)
+    assert arr.rollout.enable_chunked_prefill is False
+    assert arr.ref.fsdp_config.param_offload is True and arr.actor.fsdp_config.param_offload is False
+    assert cfg.trainer.logger == ("console",)
+    assert cfg.trainer.project_name == "verl_grpo_example_gsm8k"
+    assert cfg.trainer.default_local_dir == "checkpoints/verl_grpo_example_gsm8k/qwen2_7b_function_rm"
+    assert (cfg.trainer.test_freq, cfg.trainer.save_freq, cfg.trainer.total_epochs) == (5, -1, 1)
+    assert cfg.trainer.device == "cpu"
+
+    d = derive(cfg)
+    # verl's normalisation: 64 prompts x 5 samples / 8 ranks = 40 responses per rank per mini-batch
+    assert d.world_size == 8 and d.mini_batch_responses_per_rank == 40 and d.micro_batch_per_rank == 20
+    assert d.train_batch_responses == 640 and d.use_reference and not d.use_critic
+    assert (d.prompt_length, d.response_length) == (512, 128)
+    assert (d.clip_low, d.clip_high) == (0.2, 0.2)
+
+
+def test_unknown_key_names_it_and_suggests():
+    with pytest.raises(ConfigError) as e:
+        load_config(BASE + ["actor_rollout_ref.actor.ppo_mini_batchsize=3"])
+    msg = str(e.value)
+    assert "'actor_rollout_ref.actor.ppo_mini_batchsize'" in msg and "actor_rollout_ref.actor.ppo_mini_batch_size" in msg
+    with pytest.raises(ConfigError, match=r"unknown config key 'lr'.*actor_rollout_ref\.actor\.optim\.lr"):
+        load_config(BASE + ["lr=1e-6"])
+
+
+def test_bad_type_and_bad_value_messages():
+    with pytest.raises(ConfigError, match=r"data\.train_batch_size.*'abc'.*expected int"):
+        load_config(BASE + ["data.train_batch_size=abc"])
+    with pytest.raises(ConfigError, match=r"algorithm\.adv_estimator='grpoo'.*grpo, rloo"):
+        load_config(BASE + ["algorithm.adv_estimator=grpoo"])
+    with pytest.raises(ConfigError, match=r"trainer\.logger='foo'.*console"):
+        load_config(BASE + ["trainer.logger=['console','foo']"])
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=1.5"):
+        load_config(BASE + ["actor_rollout_ref.rollout.gpu_memory_utilization=1.5"])
+    with pytest.raises(ConfigError, match=r"clip_ratio_c=0.5 must be > 1"):
+        load_config(BASE + ["actor_rollout_ref.actor.clip_ratio_c=0.5"])
+    with pytest.raises(ConfigError, match=r"filter_groups\.metric=None"):
+        load_config(BASE + ["algorithm.filter_groups.enable=True"])
+    with pytest.raises(ConfigError, match=r"LoRA is not implemented"):
+        load_config(BASE + ["actor_rollout_ref.model.lora_rank=8"])
+    with pytest.raises(ConfigError, match=r"is a config section"):
+        load_config(BASE + ["trainer=3"])
+    with pytest.raises(ConfigError, match=r"not key=value"):
+        load_config(BASE + ["trainer.device"])
+
+
+def test_batch_arithmetic_errors_explain_the_numbers():
+    with pytest.raises(ConfigError, match=r"10 x 1 = 10 responses cannot be split evenly over 8 ranks"):
+        load_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "data.train_batch_size=10",
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=10"])
+    with pytest.raises(ConfigError, match=r"not a multiple of actor_rollout_ref\.actor\.ppo_mini_batch_size=3"):
+        load_config(BASE + ["actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.train_batch_size=8"])
+    with pytest.raises(ConfigError, match=r"4 x 1 / 2 = 2 responses is not a multiple of .*ppo_micro_batch_size_per_gpu=4"):
+        load_config(BASE + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
+    with pytest.raises(ConfigError, match=r"larger than data\.train_batch_size=8"):
+        load_config(BASE + ["actor_rollout_ref.actor.ppo_mini_batch_size=16"])
+    with pytest.raises(ConfigError, match=r"set only one of"):
+        load_config(BASE + ["actor_rollout_ref.actor.ppo_micro_batch_size=8"])
+    # dynamic batch size needs no micro-batch size
+    cfg = load_config(["actor_rollout_ref.actor.use_dynamic_bsz=True", "trainer.n_gpus_per_node=2",
+                       "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+    assert derive(cfg).micro_batch_per_rank is None
+
+
+def test_yaml_then_cli_precedence(tmp_path):
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(
+        "defaults:\n  - ppo_trainer\n"  # hydra's defaults list is ignored (our defaults are the dataclasses)
+        "data:\n  train_batch_size: 16\n  max_prompt_length: 64\n"
+        "actor_rollout_ref:\n  actor:\n    ppo_micro_batch_size_per_gpu: 2\n    ppo_mini_batch_size: 8\n"
+        "  rollout:\n    n: 4\ntrainer:\n  n_gpus_per_node: 2\n"
+    )
+    cfg = load_config(["data.max_prompt_length=128"], yaml_path=str(yaml))
+    assert cfg.data.train_batch_size == 16  # from YAML
+    assert cfg.data.max_prompt_length == 128  # CLI beats YAML
+    assert cfg.actor_rollout_ref.rollout.n == 4
+    assert cfg.data.max_response_length == 512  # default untouched
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  train_batchsize: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'data\.train_batchsize' in .*bad\.yaml.*data\.train_batch_size"):
+        load_config([], yaml_path=str(bad))
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        load_config([], yaml_path=str(tmp_path / "missing.yaml"))
+
+
+def test_command_line_forms(tmp_path, capsys):
+    yaml = tmp_path / "exp.yaml"
+    yaml.write_text("trainer:\n  n_gpus_per_node: 2\n")
+    for argv in (["--config", str(yaml)], [f"config={yaml}"], ["--config-path", str(tmp_path), "--config-name", "exp"]):
+        cfg, cmd = C.config_from_argv(argv + BASE[:1] + BASE[2:])
+        assert cfg.trainer.n_gpus_per_node == 2, argv
+    cfg, cmd = C.config_from_argv(["--cfg"] + BASE + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
+    assert cfg is None and "ppo_micro_batch_size_per_gpu: 1" in capsys.readouterr().out
+    cfg, cmd = C.config_from_argv(["--help"])
+    out = capsys.readouterr().out
+    assert cfg is None and "actor_rollout_ref.actor.kl_loss_type" in out and "KL estimator of the KL loss" in out
+    with pytest.raises(ConfigError, match=r"unknown option '--bogus'"):
+        C.split_argv(["--bogus"])
+
+
+def test_free_form_dicts_need_plus():
+    cfg = load_config(BASE[:1] + BASE[2:] + ["trainer.n_gpus_per_node=1",
+                      "+actor_rollout_ref.model.override_config.attn_implementation=eager",
+                      "+actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4"])
+    assert cfg.actor_rollout_ref.model.override_config["attn_implementation"] == "eager"
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs["vllm"]["swap_space"] == 4
+    with pytest.raises(ConfigError, match=r"write \+actor_rollout_ref\.model\.override_config\.x=1"):
+        load_config(BASE + ["actor_rollout_ref.model.override_config.x=1"])
+
+
+def test_frozen_after_load_and_picklable():
+    cfg = load_config(BASE[:1] + BASE[2:] + ["trainer.n_gpus_per_node=1", "+actor_rollout_ref.model.override_config.a=1"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.data.train_batch_size = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        cfg.actor_rollout_ref.model.override_config["b"] = 2  # type: ignore[index]
+    assert isinstance(cfg.trainer.logger, tuple)
+    again = pickle.loads(pickle.dumps(cfg))  # configs travel to Ray workers
+    assert again == cfg
+
+
+def test_every_key_documented_once():
+    specs = C.iter_keys()
+    keys = [s.key for s in specs]
+    assert len(keys) == len(set(keys))
+    undocumented = [s.key for s in specs if not s.doc]
+    assert not undocumented, f"fields without a docstring line: {undocumented}"
+    # the issue-named keys exist
+    for key in ["actor_rollout_ref.actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_high",
+                "actor_rollout_ref.actor.clip_ratio_c", "actor_rollout_ref.actor.loss_agg_mode",
+                "actor_rollout_ref.actor.policy_loss.loss_mode", "algorithm.filter_groups.max_num_gen_batches",
+                "reward_model.overlong_buffer.penalty_factor", "actor_rollout_ref.actor.use_dynamic_bsz",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.rollout.free_cache_engine",
+                "actor_rollout_ref.rollout.enable_sleep_mode", "actor_rollout_ref.rollout.enforce_eager",
+                "actor_rollout_ref.rollout.load_format", "actor_rollout_ref.rollout.val_kwargs.temperature",
+                "trainer.resume_mode", "trainer.default_local_dir", "trainer.total_training_steps",
+                "trainer.val_before_train", "trainer.device"]:
+        assert key in keys, key
+
+
+def test_derived_values_are_not_written_back():
+    cfg = load_config(BASE[:1] + BASE[2:] + ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.clip_ratio_high=0.28"])
+    d = derive(cfg)
+    assert (d.clip_low, d.clip_high) == (0.2, 0.28)
+    assert cfg.actor_rollout_ref.actor.clip_ratio_low is None  # still unset in the config itself
+    assert cfg.actor_rollout_ref.rollout.response_length is None and d.response_length == 512

@@ -1,0 +1,117 @@
+"""Device layer: detection on CPU, names per kind, memory stats, allocator toggles, seeding."""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from grpo_npu import device as D
+
+PACKAGE = Path(D.__file__).resolve().parent
+
+
+def test_auto_is_cpu_here_and_accelerators_fail_clearly():
+    if D.is_npu_available() or D.is_cuda_available():
+        pytest.skip("this machine has an accelerator")
+    assert D.resolve_kind("auto") == "cpu"
+    assert D.get_device("cpu").kind == "cpu"
+    with pytest.raises(D.DeviceError, match=r"trainer\.device=npu but torch_npu is not installed"):
+        D.resolve_kind("npu")
+    with pytest.raises(D.DeviceError, match=r"trainer\.device=cuda but torch\.cuda\.is_available\(\) is False"):
+        D.resolve_kind("cuda")
+    with pytest.raises(D.DeviceError, match=r"'tpu' is not one of"):
+        D.resolve_kind("tpu")
+
+
+def test_npu_is_detected_first(monkeypatch):
+    monkeypatch.setattr(D, "is_npu_available", lambda: True)
+    monkeypatch.setattr(D, "is_cuda_available", lambda: True)
+    assert D.resolve_kind("auto") == "npu"
+
+
+@pytest.mark.parametrize(
+    "kind, backend, mixed, env, ray, alloc",
+    [
+        ("npu", "hccl", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "NPU", "PYTORCH_NPU_ALLOC_CONF"),
+        ("cuda", "nccl", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "GPU", "PYTORCH_CUDA_ALLOC_CONF"),
+        ("cpu", "gloo", "gloo", "", None, ""),
+    ],
+)
+def test_names_per_kind(kind, backend, mixed, env, ray, alloc):
+    dev = D.Device(kind)
+    assert dev.dist_backend() == backend
+    assert dev.dist_backend(mixed=True) == mixed
+    assert dev.visible_devices_env == env
+    assert dev.ray_resource == ray
+    assert dev.alloc_conf_env == alloc
+    assert dev.default_dtype() == (torch.float32 if kind == "cpu" else torch.bfloat16)
+
+
+def test_cpu_memory_stats_and_noops():
+    dev = D.Device("cpu")
+    before = dev.memory_stats()
+    big = torch.ones(64, 1024, 1024)  # 256 MiB
+    after = dev.memory_stats()
+    assert after.cpu_rss >= before.cpu_rss + 200 * 2**20
+    assert after.peak_allocated >= after.allocated > 0 and after.total > 0
+    metrics = after.as_metrics()
+    assert set(metrics) == {"perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb", "perf/cpu_memory_used_gb"}
+    del big
+    assert dev.set_expandable_segments(False) is False  # no runtime allocator API on CPU: a no-op
+    dev.synchronize()
+    dev.empty_cache()
+    dev.reset_peak_memory_stats()
+
+
+def test_expandable_segments_env_parsing():
+    dev = D.Device("npu")
+    assert dev.env_has_expandable_segments({"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"})
+    assert dev.env_has_expandable_segments({"PYTORCH_NPU_ALLOC_CONF": "max_split_size_mb:64, expandable_segments: True"})
+    assert not dev.env_has_expandable_segments({"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False"})
+    assert not dev.env_has_expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert D.Device("cuda").env_has_expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+
+
+def test_runtime_allocator_toggle_uses_the_device_module(monkeypatch):
+    calls = []
+
+    class FakeMemory:
+        @staticmethod
+        def _set_allocator_settings(s):
+            calls.append(s)
+
+    class FakeModule:
+        memory = FakeMemory
+
+    monkeypatch.setattr(D.Device, "module", property(lambda self: FakeModule))
+    assert D.Device("npu").set_expandable_segments(False) is True
+    assert D.Device("npu").set_expandable_segments(True) is True
+    assert calls == ["expandable_segments:False", "expandable_segments:True"]
+
+
+def test_seeding_and_rng_state_round_trip():
+    dev = D.Device("cpu")
+    dev.seed_everything(123)
+    first = (random.random(), np.random.rand(), torch.rand(1).item())
+    dev.seed_everything(123)
+    state = dev.get_rng_state()
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
+    dev.set_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
+
+
+def test_only_device_py_touches_torch_cuda_or_npu():
+    pattern = re.compile(r"torch\s*\.\s*(cuda|npu)\b")
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "device.py" and path.parent == PACKAGE:
+            continue
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{lineno}: {line.strip()}")
+    assert not offenders, "torch.cuda/torch.npu outside grpo_npu/device.py:\n" + "\n".join(offenders)
