@@ -1,0 +1,155 @@
+"""RolloutBatch: the typed batch that flows through a training step.
+
+Shapes: B responses, P prompt tokens (left-padded), T response tokens (right-padded).
+Optional tensors are filled in as the step proceeds (old log-probs, reference log-probs, values,
+rewards, advantages); their presence never decides control flow -- the config does.
+Per-row metadata (uid, data_source, ground truth, extra info) travels in plain lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+TENSOR_FIELDS = (
+    "prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logp", "old_logp", "ref_logp",
+    "values", "token_level_scores", "token_level_rewards", "advantages", "returns",
+)
+LIST_FIELDS = ("uid", "data_source", "ground_truth", "extra_info", "stop_reason", "reward_extra")
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: torch.Tensor  # (B, P) long, left-padded
+    prompt_mask: torch.Tensor  # (B, P) long, 1 on real prompt tokens
+    response_ids: torch.Tensor  # (B, T) long, right-padded with the pad id
+    response_mask: torch.Tensor  # (B, T) long, 1 on generated tokens up to and including eos
+    uid: list[str] = field(default_factory=list)  # group key: responses to the same prompt share it
+    data_source: list[str] = field(default_factory=list)
+    ground_truth: list[Any] = field(default_factory=list)
+    extra_info: list[dict] = field(default_factory=list)
+    stop_reason: list[str] = field(default_factory=list)  # "stop" (eos) | "length"
+    reward_extra: list[dict] = field(default_factory=list)  # per-row reward details (acc, pred, ...)
+    rollout_logp: Optional[torch.Tensor] = None  # (B, T) engine log-probs, when the engine returns them
+    old_logp: Optional[torch.Tensor] = None  # (B, T) actor log-probs before the update
+    ref_logp: Optional[torch.Tensor] = None  # (B, T) reference-policy log-probs
+    values: Optional[torch.Tensor] = None  # (B, T) critic values
+    token_level_scores: Optional[torch.Tensor] = None  # (B, T) raw rule scores (on the last token)
+    token_level_rewards: Optional[torch.Tensor] = None  # (B, T) scores minus KL-in-reward, if on
+    advantages: Optional[torch.Tensor] = None  # (B, T)
+    returns: Optional[torch.Tensor] = None  # (B, T)
+
+    def __post_init__(self) -> None:
+        b = self.prompt_ids.shape[0]
+        for name in TENSOR_FIELDS:
+            t = getattr(self, name)
+            if t is not None and t.shape[0] != b:
+                raise ValueError(f"RolloutBatch.{name} has {t.shape[0]} rows, prompt_ids has {b}")
+        for name in LIST_FIELDS:
+            values = getattr(self, name)
+            if values and len(values) != b:
+                raise ValueError(f"RolloutBatch.{name} has {len(values)} rows, prompt_ids has {b}")
+
+    # -- views the model needs ------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def input_ids(self) -> torch.Tensor:  # (B, P + T)
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:  # (B, P + T)
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def position_ids(self) -> torch.Tensor:  # (B, P + T): 0 at the first real token, clamped at 0 on left pads
+        return (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:  # (B,)
+        return self.response_mask.sum(dim=1)
+
+    @property
+    def prompt_lengths(self) -> torch.Tensor:  # (B,)
+        return self.prompt_mask.sum(dim=1)
+
+    # -- row operations -------------------------------------------------------------------------
+    def select(self, index: Sequence[int] | torch.Tensor) -> "RolloutBatch":
+        """Rows ``index`` (a list of ints, a long tensor, or a bool mask), in that order."""
+        idx = torch.as_tensor(index)
+        if idx.dtype == torch.bool:
+            idx = idx.nonzero(as_tuple=True)[0]
+        idx_list = idx.tolist()
+        changes: dict[str, Any] = {}
+        for name in TENSOR_FIELDS:
+            t = getattr(self, name)
+            changes[name] = None if t is None else t[idx]
+        for name in LIST_FIELDS:
+            values = getattr(self, name)
+            changes[name] = [values[i] for i in idx_list] if values else []
+        return RolloutBatch(**changes)
+
+    def split(self, size: int) -> list["RolloutBatch"]:
+        """Consecutive chunks of ``size`` rows (the last may be smaller)."""
+        return [self.select(list(range(i, min(i + size, len(self))))) for i in range(0, len(self), size)]
+
+    def chunk(self, parts: int) -> list["RolloutBatch"]:
+        """``parts`` equal consecutive chunks (for ranks); the row count must divide evenly."""
+        if len(self) % parts:
+            raise ValueError(f"cannot split {len(self)} rows into {parts} equal parts")
+        return self.split(len(self) // parts)
+
+    @staticmethod
+    def concat(batches: Sequence["RolloutBatch"]) -> "RolloutBatch":
+        """Stack batches row-wise; prompt and response widths are padded to the widest."""
+        if not batches:
+            raise ValueError("concat needs at least one batch")
+        p_width = max(b.prompt_ids.shape[1] for b in batches)
+        t_width = max(b.response_ids.shape[1] for b in batches)
+        changes: dict[str, Any] = {}
+        for name in TENSOR_FIELDS:
+            parts = [getattr(b, name) for b in batches]
+            if all(p is None for p in parts):
+                changes[name] = None
+                continue
+            if any(p is None for p in parts):
+                raise ValueError(f"RolloutBatch.concat: {name} is set in some batches but not others")
+            if name in ("prompt_ids", "prompt_mask"):
+                pad_value = 0
+                parts = [_pad_left(p, p_width, pad_value) for p in parts]
+            else:
+                parts = [_pad_right(p, t_width, 0) for p in parts]
+            changes[name] = torch.cat(parts, dim=0)
+        for name in LIST_FIELDS:
+            lists = [getattr(b, name) for b in batches]
+            changes[name] = [v for lst in lists for v in lst] if all(lists) else []
+        return RolloutBatch(**changes)
+
+    def replace(self, **changes: Any) -> "RolloutBatch":
+        return dataclasses.replace(self, **changes)
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        changes = {n: getattr(self, n).to(device) for n in TENSOR_FIELDS if getattr(self, n) is not None}
+        return dataclasses.replace(self, **changes)
+
+    def num_tokens(self) -> int:
+        """Prompt + response tokens (for throughput)."""
+        return int(self.prompt_mask.sum() + self.response_mask.sum())
+
+
+def _pad_left(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    pad = t.new_full((t.shape[0], width - t.shape[1]) + tuple(t.shape[2:]), value)
+    return torch.cat([pad, t], dim=1)
+
+
+def _pad_right(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    pad = t.new_full((t.shape[0], width - t.shape[1]) + tuple(t.shape[2:]), value)
+    return torch.cat([t, pad], dim=1)
