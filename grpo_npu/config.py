@@ -1147,7 +1147,7 @@ def help_text() -> str:
         if top != section:
             lines.append(f"\n[{top}]")
             section = top
-        default = "[]" if spec.default == [] else spec.default
+        default = spec.default
         choices = f" {{{'|'.join(map(str, spec.choices))}}}" if spec.choices else ""
         lines.append(f"  {spec.key} ({spec.type}{choices}) = {default!r}")
         if spec.doc:
