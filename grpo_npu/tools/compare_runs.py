@@ -248,7 +248,9 @@ def compare_runs(
         tp_a, steps_tp_a = first_steps_mean(metric_curve(metrics_a, THROUGHPUT_KEY, label=label_a), first_n_throughput)
         tp_b, steps_tp_b = first_steps_mean(metric_curve(metrics_b, THROUGHPUT_KEY, label=label_b), first_n_throughput)
         if tp_b <= 0.0:
-            raise ValueError(f"{label_b}: mean {THROUGHPUT_KEY!r} over steps {list(steps_tp_b)} is {tp_b}, expected > 0")
+            raise ValueError(
+                f"{label_b}: mean {THROUGHPUT_KEY!r} over steps {list(steps_tp_b)} is {tp_b}, expected > 0"
+            )
         ratio = tp_a / tp_b
 
     return ParityReport(
