@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -16,6 +17,8 @@ import grpo_npu
 from grpo_npu.tools import compare_runs as cr
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                                      reason="matplotlib (the test/plot extra) is not installed")
 
 
 def write_run(root: Path, name: str, rows: list[dict] | list[str]) -> Path:
@@ -229,6 +232,7 @@ def test_bad_arguments(tmp_path):
 # --------------------------------------------------------------------------------------------
 # Command line: outputs and exit codes
 # --------------------------------------------------------------------------------------------
+@needs_matplotlib
 def test_main_within_target_writes_json_and_plot(tmp_path, capsys):
     a = write_run(tmp_path, "npu", rl_rows({s: 0.5 + 0.01 * s for s in range(1, 9)}, throughput=600.0))
     b = write_run(tmp_path, "gpu", rl_rows({s: 0.5 + 0.0101 * s for s in range(1, 9)}, throughput=1000.0))
@@ -245,6 +249,7 @@ def test_main_within_target_writes_json_and_plot(tmp_path, capsys):
     assert sorted(p.name for p in summary.parent.iterdir()) == ["parity.json", "parity.png"]  # no temp files left
 
 
+@needs_matplotlib
 def test_main_outside_target_exits_1_and_default_plot_goes_to_cwd(tmp_path, monkeypatch, capsys):
     a = write_run(tmp_path, "a", rl_rows({1: 0.5, 2: 0.6}))
     b = write_run(tmp_path, "b", rl_rows({1: 0.4, 2: 0.5}))
