@@ -1,0 +1,228 @@
+"""Advantage estimators, registered under verl's ``algorithm.adv_estimator`` names.
+
+Shapes: B responses, T response tokens; ``token_level_rewards``, ``values``, ``response_mask`` and
+both outputs are (B, T); ``group_ids`` holds one hashable key per response (the prompt uid).
+Every estimator returns ``(advantages, returns)`` in float32 (float64 input stays float64), zero
+outside the mask. Rewards at masked-out positions are ignored. Semantics:
+/work/shared/docs/algorithms.md ("Advantages").
+
+Calling convention for the trainer: one uniform call for every estimator,
+
+    advantages, returns = compute_advantage(
+        cfg.algorithm.adv_estimator,
+        token_level_rewards=rewards, response_mask=mask, group_ids=uids, values=values_or_None,
+        gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+        norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo, eps=1e-6)
+
+Each registration declares which of the optional inputs its estimator reads (``uses``); the others
+are ignored, and a missing required one (``group_ids`` for group estimators, ``values`` for gae) is
+a ValueError naming it. Dr.GRPO is ``grpo`` with ``norm_by_std=False``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from grpo_npu.algo.groups import group_index, group_stats
+from grpo_npu.algo.masked import acc_dtype, masked_values, masked_whiten
+from grpo_npu.algo.registry import Registry
+
+# Added to the group std in GRPO so that a group whose rewards are all equal gets advantage 0.
+GRPO_EPS = 1e-6
+
+# The optional inputs compute_advantage can hand to an estimator.
+OPTIONAL_INPUTS = ("group_ids", "values", "gamma", "lam", "norm_by_std", "eps")
+_REQUIRED_WHEN_USED = ("group_ids", "values")
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered estimator and the optional inputs (of OPTIONAL_INPUTS) it reads."""
+
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    uses: tuple[str, ...]
+
+
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("algorithm.adv_estimator")
+
+
+def register_advantage(name: str, *, uses: tuple[str, ...] = ()):
+    """Decorator registering an estimator under ``name``, reading the optional inputs in ``uses``."""
+
+    def decorate(fn):
+        params = inspect.signature(fn).parameters
+        for key in uses:
+            if key not in OPTIONAL_INPUTS or key not in params:
+                raise ValueError(f"register_advantage({name!r}): {fn.__name__} has no optional input {key!r}")
+        ADVANTAGE_ESTIMATORS.add(name, AdvantageEstimator(fn=fn, uses=tuple(uses)))
+        return fn
+
+    return decorate
+
+
+def get_advantage_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The estimator function registered as ``name`` (its own signature; see compute_advantage)."""
+    return ADVANTAGE_ESTIMATORS.get(name).fn
+
+
+def compute_advantage(
+    name: str,
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids=None,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = GRPO_EPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run estimator ``name`` with the inputs it uses out of one common keyword set."""
+    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    given = {"group_ids": group_ids, "values": values, "gamma": gamma, "lam": lam, "norm_by_std": norm_by_std, "eps": eps}
+    for key in _REQUIRED_WHEN_USED:
+        if key in estimator.uses and given[key] is None:
+            raise ValueError(f"algorithm.adv_estimator={name} needs {key}, got None")
+    kwargs = {key: given[key] for key in estimator.uses}
+    return estimator.fn(token_level_rewards=token_level_rewards, response_mask=response_mask, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers
+# ------------------------------------------------------------------------------------------------
+def _check_shapes(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> None:
+    if token_level_rewards.dim() != 2 or token_level_rewards.shape != response_mask.shape:
+        raise ValueError(
+            f"token_level_rewards and response_mask: expected equal (B, T) shapes, got "
+            f"{tuple(token_level_rewards.shape)} and {tuple(response_mask.shape)}"
+        )
+
+
+def _sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """s_i = sum_t of the rewards on valid tokens, (B,)."""
+    return masked_values(token_level_rewards, response_mask).sum(-1)
+
+
+def _broadcast(per_seq: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) -> (B, T), zero off the mask."""
+    return per_seq.unsqueeze(-1) * response_mask.bool().to(per_seq.dtype)
+
+
+def _group_centred(scores: torch.Tensor, group_ids):
+    """Per-response (group mean, group std, group size) gathered to (B,); mean 0 for groups of one."""
+    index, num_groups = group_index(group_ids, scores.shape[0], device=scores.device)
+    stats = group_stats(scores, index, num_groups)
+    count = stats.count[index]
+    mean = torch.where(count > 1, stats.mean[index], torch.zeros_like(scores))
+    return mean, stats.std[index], count
+
+
+# ------------------------------------------------------------------------------------------------
+# Estimators
+# ------------------------------------------------------------------------------------------------
+@register_advantage("grpo", uses=("group_ids", "norm_by_std", "eps"))
+def grpo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids,
+    *,
+    eps: float = GRPO_EPS,
+    norm_by_std: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: (s_i - group mean) / (group std + eps); groups of one use mean 0, std 1."""
+    _check_shapes(token_level_rewards, response_mask)
+    scores = _sequence_scores(token_level_rewards, response_mask)  # (B,)
+    mean, std, count = _group_centred(scores, group_ids)
+    centred = scores - mean
+    if norm_by_std:
+        std = torch.where(count > 1, std, torch.ones_like(std))
+        centred = centred / (std + eps)
+    advantages = _broadcast(centred, response_mask)
+    return advantages, advantages
+
+
+@register_advantage("rloo", uses=("group_ids",))
+def rloo_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: s_i minus the mean of the other responses of its group, n/(n-1) (s_i - mu); 0 alone."""
+    _check_shapes(token_level_rewards, response_mask)
+    scores = _sequence_scores(token_level_rewards, response_mask)  # (B,)
+    mean, _, count = _group_centred(scores, group_ids)
+    leave_one_out = torch.where(count > 1, count / (count - 1).clamp(min=1) * (scores - mean), torch.zeros_like(scores))
+    advantages = _broadcast(leave_one_out, response_mask)
+    return advantages, advantages
+
+
+@register_advantage("reinforce_plus_plus", uses=("gamma",))
+def reinforce_plus_plus_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, *, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: returns = discounted reverse cumsum of rewards over the valid tokens; advantages = whitened returns.
+
+    The discount applies once per valid token: masked-out tokens inside a response are skipped, as in gae.
+    """
+    _check_shapes(token_level_rewards, response_mask)
+    rewards = masked_values(token_level_rewards, response_mask)  # (B, T)
+    valid = response_mask.bool()
+    if gamma == 1.0:
+        returns = rewards.flip(-1).cumsum(-1).flip(-1)
+    else:
+        returns = torch.empty_like(rewards)
+        running = torch.zeros_like(rewards[:, 0])  # (B,)
+        for t in range(rewards.shape[1] - 1, -1, -1):  # a scan over time steps, vectorised over B
+            running = torch.where(valid[:, t], rewards[:, t] + gamma * running, running)
+            returns[:, t] = running
+    returns = returns * valid.to(returns.dtype)
+    return masked_whiten(returns, response_mask), returns
+
+
+@register_advantage("reinforce_plus_plus_baseline", uses=("group_ids",))
+def reinforce_plus_plus_baseline_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group baseline: s_i - group mean, broadcast, whitened over the batch."""
+    _check_shapes(token_level_rewards, response_mask)
+    scores = _sequence_scores(token_level_rewards, response_mask)  # (B,)
+    mean, _, _ = _group_centred(scores, group_ids)
+    advantages = masked_whiten(_broadcast(scores - mean, response_mask), response_mask)
+    return advantages, advantages
+
+
+@register_advantage("gae", uses=("values", "gamma", "lam"))
+def gae_advantage(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over the valid tokens (masked-out tokens are skipped); returns = A + V; A whitened.
+
+    The value after the last valid token is 0. A masked-out token between two valid ones (a tool
+    output in a multi-turn response) is skipped: the next valid token's value and advantage carry over it.
+    """
+    _check_shapes(token_level_rewards, response_mask)
+    if values.shape != token_level_rewards.shape:
+        raise ValueError(f"values: expected shape {tuple(token_level_rewards.shape)}, got {tuple(values.shape)}")
+    dtype = acc_dtype(token_level_rewards)
+    rewards = masked_values(token_level_rewards, response_mask)  # (B, T)
+    valid = response_mask.bool()
+    values = torch.where(valid, values.to(dtype), torch.zeros((), dtype=dtype, device=values.device))
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])  # (B,)
+    next_adv = torch.zeros_like(rewards[:, 0])  # (B,)
+    for t in range(rewards.shape[1] - 1, -1, -1):  # a scan over time steps, vectorised over B
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv_t = delta + gamma * lam * next_adv
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        next_adv = torch.where(valid[:, t], adv_t, next_adv)
+        advantages[:, t] = adv_t
+    advantages = torch.where(valid, advantages, torch.zeros((), dtype=dtype, device=advantages.device))
+    returns = advantages + values
+    return masked_whiten(advantages, response_mask), returns

@@ -1,0 +1,289 @@
+"""Policy / value losses, loss aggregation and entropy.
+
+Shapes: ``logp``, ``old_logp``, ``advantages``, ``values``, ``returns`` and ``mask`` are (B, T);
+``logits`` is (B, T, V). Losses return ``(loss, metrics)``: a 0-d float32 loss (float64 stays
+float64) and a dict of detached 0-d tensors, each a mean over this call's valid tokens (the caller
+averages them across micro-batches). Nothing here reads a tensor back to Python (no ``item()``).
+Semantics: /work/shared/docs/algorithms.md ("Policy loss", "Loss aggregation").
+
+Micro-batching and data parallelism: build each micro-batch's loss with the GLOBAL counts of its
+mini-batch (``num_tokens`` / ``num_seqs`` summed over all micro-batches and ranks, see
+:func:`agg_counts`) and sum the micro-batch losses (gradient accumulation). The result equals the
+loss of the whole mini-batch. Under data parallelism, where the gradient is averaged over ranks,
+scale each rank's loss by the number of ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from grpo_npu.algo.masked import acc_dtype, masked_mean, masked_values
+from grpo_npu.algo.registry import Registry
+
+# log(pi / pi_old) is clamped before exp(): exp(20) ~ 5e8 keeps the ratio and its gradient finite
+# in float32 and bfloat16 however far the policies have drifted apart.
+LOG_RATIO_CLAMP = 20.0
+
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+# entropy_from_logits works on row chunks of at most this many float32 elements (64 MiB), so its
+# float32 temporaries stay small next to the (B, T, V) logits however large the vocabulary is.
+ENTROPY_CHUNK_ELEMENTS = 1 << 24
+
+
+# ------------------------------------------------------------------------------------------------
+# Aggregation
+# ------------------------------------------------------------------------------------------------
+def agg_counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local (num_tokens, num_seqs) of a (B, T) mask as 0-d int64 tensors; sum them to get global counts.
+
+    num_seqs counts the rows with at least one valid token (a fully masked row is not a sequence).
+    """
+    valid = mask.bool()
+    return valid.sum(), valid.any(-1).sum()
+
+
+def _positive(count, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A count (int, float or tensor) as a 0-d tensor, at least 1 so that an empty batch gives loss 0."""
+    return torch.as_tensor(count, device=device).to(dtype).clamp(min=1)
+
+
+def agg_loss(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    num_tokens=None,
+    num_seqs=None,
+    horizon: int | None = None,
+) -> torch.Tensor:
+    """Aggregate a (B, T) loss to a scalar with ``actor.loss_agg_mode`` ``mode``.
+
+    token-mean:              sum(loss) / num_tokens
+    token-sum:               sum(loss)
+    seq-mean-token-sum:      sum_i sum_t(loss) / num_seqs
+    seq-mean-token-mean:     sum_i (sum_t(loss) / len_i) / num_seqs
+    seq-mean-token-sum-norm: sum(loss) / (num_seqs * horizon)
+    Sums run over valid tokens. num_tokens / num_seqs are the global counts of the mini-batch
+    (default: this call's, from agg_counts; rows without valid tokens are not sequences);
+    horizon is data.max_response_length (default: the mask width T).
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"actor.loss_agg_mode: unknown value {mode!r}; known: {', '.join(AGG_MODES)}")
+    if loss.shape != mask.shape or loss.dim() != 2:
+        raise ValueError(f"loss and mask: expected equal (B, T) shapes, got {tuple(loss.shape)} and {tuple(mask.shape)}")
+    valid = mask.bool()
+    values = masked_values(loss, valid)  # (B, T)
+    dtype, device = values.dtype, values.device
+    if mode == "token-sum":
+        return values.sum()
+    if mode == "token-mean":
+        if num_tokens is None:
+            num_tokens = valid.sum()
+        return values.sum() / _positive(num_tokens, dtype, device)
+    if num_seqs is None:
+        num_seqs = valid.any(-1).sum()
+    seq_sums = values.sum(-1)  # (B,), 0 for fully masked rows
+    if mode == "seq-mean-token-sum":
+        per_seq = seq_sums
+    elif mode == "seq-mean-token-mean":
+        per_seq = seq_sums / valid.sum(-1).clamp(min=1).to(dtype)
+    else:  # seq-mean-token-sum-norm
+        horizon = loss.shape[-1] if horizon is None else horizon
+        if horizon <= 0:
+            raise ValueError(f"horizon (data.max_response_length): expected > 0, got {horizon}")
+        per_seq = seq_sums / horizon
+    return per_seq.sum() / _positive(num_seqs, dtype, device)
+
+
+# ------------------------------------------------------------------------------------------------
+# Policy losses (actor.policy_loss.loss_mode)
+# ------------------------------------------------------------------------------------------------
+PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("actor.policy_loss.loss_mode")
+
+
+def register_policy_loss(name: str):
+    """Decorator registering a policy loss with the ppo_clip_loss signature under ``name``."""
+    return POLICY_LOSSES.register(name)
+
+
+def get_policy_loss_fn(name: str) -> PolicyLoss:
+    """The policy loss registered as ``name`` (vanilla | gspo)."""
+    return POLICY_LOSSES.get(name)
+
+
+def _check_policy_inputs(logp, old_logp, advantages, mask, clip_low: float, clip_high: float) -> None:
+    shapes = {"logp": logp.shape, "old_logp": old_logp.shape, "advantages": advantages.shape, "mask": mask.shape}
+    if len(set(shapes.values())) != 1 or logp.dim() != 2:
+        raise ValueError("policy loss: expected equal (B, T) shapes, got " + ", ".join(f"{k} {tuple(v)}" for k, v in shapes.items()))
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"actor.clip_ratio_low/high: expected >= 0, got {clip_low} / {clip_high}")
+
+
+@register_policy_loss("vanilla")
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float = 3.0,
+    agg_mode: str = "token-mean",
+    **agg_kwargs,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with asymmetric clip (DAPO clip-higher) and dual-clip for A < 0.
+
+    Metrics: pg_clipfrac (the clipped branch taken), pg_clipfrac_lower (the dual-clip branch taken),
+    ppo_kl (mean of old_logp - logp, log ratio clamped).
+    """
+    _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
+    if clip_c <= 1.0:
+        raise ValueError(f"actor.clip_ratio_c: expected > 1, got {clip_c}")
+    dtype = acc_dtype(logp)
+    adv = advantages.to(dtype)
+    log_ratio = (logp.to(dtype) - old_logp.to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    loss_dual = -adv * clip_c  # caps the loss of A < 0 tokens whose ratio has grown very large
+    negative = adv < 0
+    per_token = torch.where(negative, torch.minimum(loss_ppo, loss_dual), loss_ppo)
+    loss = agg_loss(per_token, mask, agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(dtype), mask),
+            "pg_clipfrac_lower": masked_mean((negative & (loss_dual < loss_ppo)).to(dtype), mask),
+            "ppo_kl": masked_mean(-log_ratio, mask),
+        }
+    return loss, metrics
+
+
+@register_policy_loss("gspo")
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float = 3.0,
+    agg_mode: str = "token-mean",
+    **agg_kwargs,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO: the sequence ratio s_i = exp(token-mean log ratio), per token sg(s_i) * pi / sg(pi), clipped.
+
+    Published GSPO has no dual clip: ``clip_c`` is accepted for the common signature and unused,
+    and pg_clipfrac_lower is 0. Pass the small GSPO clip ranges (e.g. 3e-4 / 4e-4) and usually
+    agg_mode="seq-mean-token-mean".
+    """
+    _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
+    dtype = acc_dtype(logp)
+    adv = advantages.to(dtype)
+    logp = logp.to(dtype)
+    token_log_ratio = (logp - old_logp.to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
+    seq_log_ratio = masked_mean(token_log_ratio, mask, dim=-1).detach()  # (B,)
+    # Value s_i on every token; gradient s_i * d logp_t (the token's share of d s_i).
+    ratio = torch.exp(logp - logp.detach() + seq_log_ratio.unsqueeze(-1))  # (B, T)
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(loss_unclipped, loss_clipped)
+    loss = agg_loss(per_token, mask, agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(dtype), mask),
+            "pg_clipfrac_lower": torch.zeros((), dtype=dtype, device=logp.device),
+            "ppo_kl": masked_mean(-token_log_ratio, mask),
+        }
+    return loss, metrics
+
+
+# ------------------------------------------------------------------------------------------------
+# Value loss (critic)
+# ------------------------------------------------------------------------------------------------
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_range: float = 0.5,
+    agg_mode: str = "token-mean",
+    **agg_kwargs,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss 0.5 * agg(max((V - R)^2, (clip(V, V_old +- clip_range) - R)^2)) (critic.cliprange_value).
+
+    Metrics: vf_clipfrac (the clipped branch taken), vpred_mean.
+    """
+    if not (values.shape == old_values.shape == returns.shape == mask.shape):
+        raise ValueError(
+            f"value_loss: expected equal (B, T) shapes, got values {tuple(values.shape)}, old_values "
+            f"{tuple(old_values.shape)}, returns {tuple(returns.shape)}, mask {tuple(mask.shape)}"
+        )
+    dtype = acc_dtype(values)
+    values, old_values, returns = values.to(dtype), old_values.to(dtype), returns.to(dtype)
+    clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    loss_unclipped = (values - returns).square()
+    loss_clipped = (clipped - returns).square()
+    loss = 0.5 * agg_loss(torch.maximum(loss_unclipped, loss_clipped), mask, agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {
+            "vf_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(dtype), mask),
+            "vpred_mean": masked_mean(values, mask),
+        }
+    return loss, metrics
+
+
+# ------------------------------------------------------------------------------------------------
+# Entropy
+# ------------------------------------------------------------------------------------------------
+class _ChunkedEntropy(torch.autograd.Function):
+    """H = logsumexp(z) - sum softmax(z) * z per row of (N, V) logits, in row chunks.
+
+    Saves only the logits and H; the backward recomputes softmax chunk by chunk:
+    dH/dz = -p * (log p + H).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:  # (N, V) -> (N,)
+        dtype = acc_dtype(logits)
+        rows = max(1, ENTROPY_CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+        entropy = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
+        for start in range(0, logits.shape[0], rows):
+            z = logits[start : start + rows].to(dtype)
+            log_p = torch.log_softmax(z, dim=-1)
+            p = log_p.exp()
+            # p * z is 0 where p is 0, also for -inf logits (0 * -inf would be nan).
+            p_z = torch.where(p > 0, p * z, torch.zeros((), dtype=dtype, device=z.device))
+            entropy[start : start + rows] = torch.logsumexp(z, dim=-1) - p_z.sum(-1)
+        ctx.save_for_backward(logits, entropy)
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad_entropy: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, V)
+        logits, entropy = ctx.saved_tensors
+        dtype = entropy.dtype
+        rows = max(1, ENTROPY_CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+        grad = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], rows):
+            stop = start + rows
+            log_p = torch.log_softmax(logits[start:stop].to(dtype), dim=-1)
+            p = log_p.exp()
+            g = torch.where(p > 0, -p * (log_p + entropy[start:stop, None]), torch.zeros((), dtype=dtype, device=p.device))
+            grad[start:stop] = (g * grad_entropy[start:stop, None]).to(logits.dtype)
+        return grad
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (...,) of the softmax over the last dim of ``logits`` (..., V), accumulated in float32."""
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits: expected a non-empty last (vocabulary) dim, got shape {tuple(logits.shape)}")
+    lead = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _ChunkedEntropy.apply(flat).reshape(lead)

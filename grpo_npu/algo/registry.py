@@ -1,0 +1,51 @@
+"""A name -> object registry whose lookup error lists the known names.
+
+Algorithms are registered under the names users write in verl-style config keys
+(``algorithm.adv_estimator=grpo``, ``actor.policy_loss.loss_mode=gspo``) and looked up once.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Maps config names to objects; ``key`` is the config key quoted in error messages."""
+
+    def __init__(self, key: str):
+        self.key = key
+        self._entries: dict[str, T] = {}
+
+    def register(self, *names: str) -> Callable[[T], T]:
+        """Decorator registering an object under one or more names (aliases such as kl / k1)."""
+        if not names:
+            raise ValueError(f"{self.key}: register() needs at least one name")
+
+        def decorate(obj: T) -> T:
+            for name in names:
+                self.add(name, obj)
+            return obj
+
+        return decorate
+
+    def add(self, name: str, obj: T) -> None:
+        """Register ``obj`` under ``name``; a name can be registered once."""
+        if name in self._entries:
+            raise ValueError(f"{self.key}: {name!r} is already registered")
+        self._entries[name] = obj
+
+    def get(self, name: str) -> T:
+        """The object registered as ``name``; an unknown name is a ValueError listing the known ones."""
+        try:
+            return self._entries[name]
+        except (KeyError, TypeError):
+            raise ValueError(f"{self.key}: unknown value {name!r}; known: {', '.join(self.names())}") from None
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
