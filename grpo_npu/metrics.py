@@ -1,0 +1,141 @@
+"""Step metrics under the names verl users already chart (see docs: algorithms.md, "Metrics").
+
+Pure functions: a filled :class:`~grpo_npu.batch.RolloutBatch` (rewards and advantages computed)
+or plain numbers in, a flat ``{name: float}`` dict out. Shapes: B responses, T response tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from grpo_npu.batch import RolloutBatch
+
+# Sections whose per-token time is measured against generated tokens only: generation cost grows
+# with what is generated, every other phase with the whole sequence (prompt + response).
+RESPONSE_TOKEN_SECTIONS = ("gen",)
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    """{prefix}/mean, /max, /min of a 1-D tensor (float64 so the mean of many tokens stays exact)."""
+    if values.numel() == 0:
+        raise ValueError(f"{prefix}: no values to summarise (empty batch or no valid response tokens)")
+    v = values.detach().to(torch.float64)
+    return {f"{prefix}/mean": v.mean().item(), f"{prefix}/max": v.max().item(), f"{prefix}/min": v.min().item()}
+
+
+def _require(batch: RolloutBatch, name: str) -> torch.Tensor:
+    t = getattr(batch, name)
+    if t is None:
+        raise ValueError(f"compute_data_metrics: RolloutBatch.{name} is not filled in yet "
+                         "(call it after rewards, advantages and returns are computed)")
+    return t
+
+
+def compute_data_metrics(
+    batch: RolloutBatch,
+    *,
+    use_critic: bool,
+    max_response_length: int,
+    max_prompt_length: int | None = None,
+) -> dict[str, float]:
+    """Score, reward, advantage, return (and value) statistics plus prompt/response lengths.
+
+    Sequence score = sum over tokens of token_level_scores, sequence reward = sum of
+    token_level_rewards; advantages, returns and values are summarised over valid response tokens.
+    clip_ratio = fraction of responses whose length equals ``max_response_length`` (prompts:
+    ``max_prompt_length``, default the batch's prompt width, to which prompts are left-padded).
+    """
+    if max_response_length <= 0:
+        raise ValueError(f"max_response_length={max_response_length} must be > 0")
+    mask = batch.response_mask.bool()  # (B, T)
+    scores = _require(batch, "token_level_scores")  # (B, T)
+    rewards = _require(batch, "token_level_rewards")  # (B, T)
+    advantages = _require(batch, "advantages")  # (B, T)
+    returns = _require(batch, "returns")  # (B, T)
+
+    metrics: dict[str, float] = {}
+    metrics |= _stats("critic/score", scores.sum(dim=-1))
+    metrics |= _stats("critic/rewards", rewards.sum(dim=-1))
+    metrics |= _stats("critic/advantages", advantages[mask])
+    metrics |= _stats("critic/returns", returns[mask])
+    if use_critic:
+        values = _require(batch, "values")  # (B, T)
+        valid_values, valid_returns = values[mask].double(), returns[mask].double()
+        metrics |= _stats("critic/values", valid_values)
+        # Fraction of the return variance the critic explains (1: perfect, <= 0: no better than a constant).
+        return_var = valid_returns.var(unbiased=False)
+        residual_var = (valid_returns - valid_values).var(unbiased=False)
+        metrics["critic/vf_explained_var"] = (1.0 - residual_var / (return_var + 1e-5)).item()
+
+    response_length = batch.response_lengths.double()  # (B,)
+    prompt_length = batch.prompt_lengths.double()  # (B,)
+    prompt_limit = batch.prompt_ids.shape[1] if max_prompt_length is None else max_prompt_length
+    metrics |= _stats("response_length", response_length)
+    metrics["response_length/clip_ratio"] = (response_length == max_response_length).double().mean().item()
+    metrics |= _stats("prompt_length", prompt_length)
+    metrics["prompt_length/clip_ratio"] = (prompt_length == prompt_limit).double().mean().item()
+    return metrics
+
+
+def compute_timing_metrics(
+    timings: Mapping[str, float], num_tokens: int, *, num_response_tokens: int | None = None
+) -> dict[str, float]:
+    """timing_s/<section> and timing_per_token_ms/<section> for each timed section of a step.
+
+    Per-token time divides by ``num_tokens`` (prompt + response tokens of the step), except for the
+    sections in RESPONSE_TOKEN_SECTIONS ("gen"), which divide by ``num_response_tokens`` when given.
+    """
+    if num_tokens <= 0:
+        raise ValueError(f"num_tokens={num_tokens} must be > 0")
+    if num_response_tokens is not None and num_response_tokens <= 0:
+        raise ValueError(f"num_response_tokens={num_response_tokens} must be > 0")
+    metrics: dict[str, float] = {}
+    for name, seconds in timings.items():
+        seconds = float(seconds)
+        if seconds < 0 or not math.isfinite(seconds):
+            raise ValueError(f"timing {name!r} = {seconds} s must be a finite non-negative number")
+        metrics[f"timing_s/{name}"] = seconds
+        tokens = num_response_tokens if name in RESPONSE_TOKEN_SECTIONS and num_response_tokens else num_tokens
+        metrics[f"timing_per_token_ms/{name}"] = seconds * 1000.0 / tokens
+    return metrics
+
+
+def compute_throughput_metrics(num_tokens: int, step_seconds: float, n_devices: int) -> dict[str, float]:
+    """perf/total_num_tokens, perf/time_per_step and perf/throughput = tokens / (seconds x devices)."""
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens={num_tokens} must be >= 0")
+    if not step_seconds > 0:
+        raise ValueError(f"step_seconds={step_seconds} must be > 0")
+    if n_devices < 1:
+        raise ValueError(f"n_devices={n_devices} must be >= 1")
+    return {
+        "perf/total_num_tokens": float(num_tokens),
+        "perf/time_per_step": float(step_seconds),
+        "perf/throughput": num_tokens / (step_seconds * n_devices),
+    }
+
+
+def _scalar(key: str, value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"metric {key!r} is a tensor of shape {tuple(value.shape)}, expected one value")
+        return value.item()
+    if isinstance(value, (int, float)):
+        return float(value)
+    if hasattr(value, "item"):  # numpy scalars
+        return float(value.item())
+    raise TypeError(f"metric {key!r} has type {type(value).__name__}, expected a number")
+
+
+def reduce_metrics(metrics: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Mean per key over a list of metric dicts (a key absent from some dicts averages where present)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for m in metrics:
+        for key, value in m.items():
+            sums[key] = sums.get(key, 0.0) + _scalar(key, value)
+            counts[key] = counts.get(key, 0) + 1
+    return {key: sums[key] / counts[key] for key in sums}
