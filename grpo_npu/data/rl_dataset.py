@@ -1,0 +1,323 @@
+"""Prompts for RL: parquet rows -> chat-templated, left-padded token ids, and a resumable loader.
+
+Shapes: B = prompts in a batch, L = ``max_prompt_length``. Every prompt is rendered with the
+tokenizer's chat template (``add_generation_prompt=True``) and tokenized once, in a batch, when the
+dataset is built; overlong prompts are then dropped (``filter_overlong_prompts``) or truncated
+(``truncation``: left keeps the end, right keeps the start, middle keeps both ends, error refuses).
+
+:class:`PromptLoader` walks a seeded permutation per epoch (numpy ``SeedSequence([seed, epoch])``),
+so the order depends only on (seed, epoch, len(dataset)); its ``state_dict()`` is (epoch, position)
+and a loader restored from it yields exactly the batches the original would have yielded next.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right", "middle")
+DATA_SOURCE_KEY = "data_source"  # the reward dispatch key: every row needs one
+
+
+@dataclass
+class PromptItem:
+    """One prompt, left-padded to L."""
+
+    input_ids: torch.Tensor  # (L,) long
+    attention_mask: torch.Tensor  # (L,) long, 0 on the left padding
+    position_ids: torch.Tensor  # (L,) long, 0 on the padding, then 0, 1, 2, ...
+    raw_prompt_ids: list[int]  # the unpadded (possibly truncated) prompt, for the rollout engine
+    raw_prompt: list[dict] | None  # the chat messages, when return_raw_chat
+    data_source: str
+    ground_truth: Any  # reward_model.ground_truth, None when the data has no reward_model
+    extra_info: dict
+    index: int  # the row's position in the concatenated files, before filtering
+
+
+@dataclass
+class PromptBatch:
+    """B prompts: (B, L) tensors and per-row metadata lists."""
+
+    input_ids: torch.Tensor  # (B, L)
+    attention_mask: torch.Tensor  # (B, L)
+    position_ids: torch.Tensor  # (B, L)
+    raw_prompt_ids: list[list[int]]
+    raw_prompts: list[list[dict]] | None
+    data_sources: list[str]
+    ground_truths: list[Any]
+    extra_infos: list[dict]
+    indices: list[int]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def _as_file_list(files: str | os.PathLike | Sequence) -> list[Path]:
+    """One path or a list of them (an OmegaConf ListConfig is a Sequence) -> checked Paths."""
+    items = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+    if not items:
+        raise ValueError("no data files given (data.train_files / data.val_files is empty)")
+    paths = [Path(os.fspath(f)).expanduser() for f in items]
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"data file {path} does not exist")
+    return paths
+
+
+def _check_chat(prompt: Any, where: str, prompt_key: str) -> list[dict]:
+    """The prompt as a list of {"role", "content"} dicts, or a clear error."""
+    if isinstance(prompt, np.ndarray):  # parquet written through pandas
+        prompt = prompt.tolist()
+    ok = (
+        isinstance(prompt, list)
+        and len(prompt) > 0
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
+    )
+    if not ok:
+        raise ValueError(
+            f"{where}: column {prompt_key!r} (data.prompt_key) must be a non-empty chat list "
+            f"[{{'role': ..., 'content': ...}}, ...], got {type(prompt).__name__}: {str(prompt)[:80]!r}"
+        )
+    return [{"role": m["role"], "content": m["content"]} for m in prompt]
+
+
+def truncate(ids: list[int], max_len: int, mode: str) -> list[int]:
+    """Cut ``ids`` to ``max_len`` tokens: left keeps the end, right the start, middle both halves."""
+    if len(ids) <= max_len:
+        return ids
+    if mode == "left":
+        return ids[-max_len:]
+    if mode == "right":
+        return ids[:max_len]
+    if mode == "middle":
+        head = max_len // 2
+        return ids[:head] + ids[len(ids) - (max_len - head):]
+    raise ValueError(f"truncation mode {mode!r} cannot cut; expected one of {TRUNCATION_MODES[1:]}")
+
+
+def left_pad(ids: list[int], length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, position_ids), each (length,), with ``ids`` right-aligned."""
+    n_pad = length - len(ids)
+    input_ids = torch.tensor([pad_id] * n_pad + ids, dtype=torch.long)
+    attention_mask = torch.cat([torch.zeros(n_pad, dtype=torch.long), torch.ones(len(ids), dtype=torch.long)])
+    position_ids = (attention_mask.cumsum(0) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids
+
+
+class RLDataset:
+    """Chat prompts from parquet files, tokenized once; items are left-padded to max_prompt_length."""
+
+    def __init__(
+        self,
+        files: str | os.PathLike | Sequence,
+        tokenizer,
+        *,
+        prompt_key: str = "prompt",
+        max_prompt_length: int = 512,
+        truncation: str = "error",
+        filter_overlong_prompts: bool = True,
+        return_raw_chat: bool = False,
+    ) -> None:
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"data.truncation={truncation!r}; expected one of {TRUNCATION_MODES}")
+        if max_prompt_length < 1:
+            raise ValueError(f"data.max_prompt_length={max_prompt_length} must be >= 1")
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer has no pad token; left padding needs one (set tokenizer.pad_token)")
+        self.files = _as_file_list(files)
+        self.tokenizer = tokenizer
+        self.prompt_key = prompt_key
+        self.max_prompt_length = max_prompt_length
+        self.truncation = truncation
+        self.return_raw_chat = return_raw_chat
+
+        rows, origins = self._read_rows()
+        messages = [_check_chat(row[prompt_key], where, prompt_key) for row, where in zip(rows, origins)]
+        token_ids = self._tokenize(messages)
+
+        lengths = np.array([len(ids) for ids in token_ids])
+        overlong = np.flatnonzero(lengths > max_prompt_length)
+        keep = np.arange(len(rows))
+        if filter_overlong_prompts:
+            keep = np.flatnonzero(lengths <= max_prompt_length)
+            if len(overlong):
+                logger.warning(
+                    "filtered %d of %d prompts longer than data.max_prompt_length=%d tokens (data.filter_overlong_prompts)",
+                    len(overlong), len(rows), max_prompt_length,
+                )
+            if len(keep) == 0:
+                raise ValueError(
+                    f"every one of the {len(rows)} prompts in {[str(f) for f in self.files]} is longer than "
+                    f"data.max_prompt_length={max_prompt_length} tokens"
+                )
+        elif truncation == "error" and len(overlong):
+            i = int(overlong[0])
+            raise ValueError(
+                f"{origins[i]}: the prompt is {lengths[i]} tokens, longer than data.max_prompt_length="
+                f"{max_prompt_length} ({len(overlong)} such rows); set data.truncation=left|right|middle or "
+                "data.filter_overlong_prompts=True"
+            )
+        self.num_filtered = len(rows) - len(keep)
+        self.prompt_lengths = lengths[keep]  # (N,) before truncation
+
+        self._indices = [int(i) for i in keep]
+        self._token_ids = [truncate(token_ids[i], max_prompt_length, truncation) for i in keep]
+        self._messages = [messages[i] for i in keep]
+        self._data_sources = [rows[i][DATA_SOURCE_KEY] for i in keep]
+        self._ground_truths = [(rows[i].get("reward_model") or {}).get("ground_truth") for i in keep]
+        self._extra_infos = [rows[i].get("extra_info") or {} for i in keep]
+
+    def _read_rows(self) -> tuple[list[dict], list[str]]:
+        """All rows of all files, and a "file row k" label for each (for error messages)."""
+        import pyarrow.parquet as pq
+
+        rows, origins = [], []
+        for path in self.files:
+            try:
+                table = pq.read_table(path)
+            except Exception as err:
+                raise ValueError(f"cannot read {path} as parquet: {err}") from err
+            for column in (self.prompt_key, DATA_SOURCE_KEY):
+                if column not in table.column_names:
+                    raise ValueError(
+                        f"{path} has no {column!r} column"
+                        + (" (data.prompt_key)" if column == self.prompt_key else " (needed to pick the reward function)")
+                        + f"; its columns are {table.column_names}"
+                    )
+            file_rows = table.to_pylist()
+            rows += file_rows
+            origins += [f"{path} row {k}" for k in range(len(file_rows))]
+        if not rows:
+            raise ValueError(f"the data files {[str(f) for f in self.files]} hold no rows")
+        return rows, origins
+
+    def _tokenize(self, messages: list[list[dict]]) -> list[list[int]]:
+        """Render every conversation with the chat template and tokenize them in one batch."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat_template; RL prompts are chat lists and need one")
+        texts = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+    def __len__(self) -> int:
+        return len(self._token_ids)
+
+    def __getitem__(self, i: int) -> PromptItem:
+        ids = self._token_ids[i]
+        input_ids, attention_mask, position_ids = left_pad(ids, self.max_prompt_length, self.tokenizer.pad_token_id)
+        return PromptItem(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            raw_prompt_ids=list(ids),
+            raw_prompt=self._messages[i] if self.return_raw_chat else None,
+            data_source=self._data_sources[i],
+            ground_truth=self._ground_truths[i],
+            extra_info=self._extra_infos[i],
+            index=self._indices[i],
+        )
+
+
+def collate(items: Sequence[PromptItem]) -> PromptBatch:
+    """Stack items (already left-padded to the same L) into a PromptBatch."""
+    if not items:
+        raise ValueError("cannot collate an empty list of prompts")
+    raw = [it.raw_prompt for it in items]
+    return PromptBatch(
+        input_ids=torch.stack([it.input_ids for it in items]),
+        attention_mask=torch.stack([it.attention_mask for it in items]),
+        position_ids=torch.stack([it.position_ids for it in items]),
+        raw_prompt_ids=[it.raw_prompt_ids for it in items],
+        raw_prompts=None if any(r is None for r in raw) else raw,
+        data_sources=[it.data_source for it in items],
+        ground_truths=[it.ground_truth for it in items],
+        extra_infos=[it.extra_info for it in items],
+        indices=[it.index for it in items],
+    )
+
+
+class PromptLoader:
+    """Batches of a dataset in a seeded per-epoch order, resumable from ``state_dict()``.
+
+    Iterating yields the remaining batches of the current epoch, then moves to the next epoch, so
+    ``for epoch in ...: for batch in loader:`` walks the data as a DataLoader would. ``batch_size=None``
+    gives the whole dataset as one batch (validation).
+    """
+
+    def __init__(
+        self,
+        dataset: RLDataset,
+        batch_size: int | None,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+    ) -> None:
+        self.dataset = dataset
+        self.batch_size = len(dataset) if batch_size is None else int(batch_size)
+        if self.batch_size < 1:
+            raise ValueError(f"batch size {batch_size} must be >= 1")
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        if len(self) == 0:
+            raise ValueError(
+                f"the dataset has {len(dataset)} prompts, fewer than one batch of {self.batch_size} "
+                "(drop_last): lower data.train_batch_size or add data"
+            )
+        self.epoch = 0
+        self.position = 0  # batches of this epoch already yielded
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The dataset indices of ``epoch`` in visiting order, (N,)."""
+        n = len(self.dataset)
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch]).permutation(n)
+
+    def __iter__(self) -> Iterator[PromptBatch]:
+        order = self.order(self.epoch)
+        while self.position < len(self):
+            start = self.position * self.batch_size
+            idx = order[start:start + self.batch_size]
+            self.position += 1  # counted before yielding: a checkpoint taken now resumes after this batch
+            yield collate([self.dataset[int(i)] for i in idx])
+        self.epoch += 1
+        self.position = 0
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "batch_size": self.batch_size,
+            "dataset_len": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at (epoch, position); the data and batching must be the ones the state came from."""
+        for key in ("seed", "shuffle", "batch_size", "dataset_len"):
+            ours = self.state_dict()[key]
+            if state.get(key) != ours:
+                raise ValueError(
+                    f"cannot resume the prompt loader: its saved {key}={state.get(key)!r} differs from the "
+                    f"current {key}={ours!r}; resuming would yield different batches"
+                )
+        if not 0 <= state["position"] <= len(self):
+            raise ValueError(f"saved loader position {state['position']} is outside [0, {len(self)}]")
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])

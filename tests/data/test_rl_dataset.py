@@ -1,0 +1,250 @@
+"""RLDataset and PromptLoader: chat template, left padding, filtering, truncation, errors, resume."""
+
+from __future__ import annotations
+
+import logging
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from grpo_npu.data.rl_dataset import PromptLoader, RLDataset, collate, truncate
+from grpo_npu.data.schema import make_row, write_parquet_atomic
+
+QUESTIONS = [
+    "What is 2 + 3?",
+    "Tom has 5 apples and buys 7 more. How many apples does Tom have now?",
+    "What is 12 - 4?",
+    "There are " + "many many " * 30 + "coins. How many?",  # long: overlong at small max lengths
+    "What is 9 + 9?",
+    "Ana has 3 books. How many books does Ana have?",
+]
+
+
+def _rows(n: int, data_source: str = "openai/gsm8k") -> list[dict]:
+    return [make_row(QUESTIONS[i % len(QUESTIONS)] + f" ({i})", f"x #### {i}", str(i), "train", i, data_source)
+            for i in range(n)]
+
+
+@pytest.fixture
+def parquet(tmp_path):
+    def write(rows, name="data.parquet"):
+        return str(write_parquet_atomic(rows, tmp_path / name))
+
+    return write
+
+
+def _template_ids(tok, messages) -> list[int]:
+    """Reference: one conversation through the chat template, tokenized alone."""
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_chat_template_and_left_padding(tiny_tokenizer, parquet):
+    rows = _rows(6)
+    ds = RLDataset(parquet(rows), tiny_tokenizer, max_prompt_length=256, return_raw_chat=True)
+    assert len(ds) == 6 and ds.num_filtered == 0
+    pad = tiny_tokenizer.pad_token_id
+    for i, row in enumerate(rows):
+        item = ds[i]
+        ref = _template_ids(tiny_tokenizer, row["prompt"])
+        n = len(ref)
+        assert item.raw_prompt_ids == ref
+        assert item.input_ids.shape == (256,)
+        assert item.input_ids[256 - n:].tolist() == ref
+        assert item.input_ids[: 256 - n].tolist() == [pad] * (256 - n)
+        assert item.attention_mask.tolist() == [0] * (256 - n) + [1] * n
+        assert item.position_ids.tolist() == [0] * (256 - n) + list(range(n))
+        text = tiny_tokenizer.decode(item.raw_prompt_ids)
+        assert text.startswith("<|im_start|>user\n" + row["prompt"][0]["content"])
+        assert text.endswith("<|im_start|>assistant\n")
+        assert item.raw_prompt == row["prompt"]
+        assert item.data_source == "openai/gsm8k"
+        assert item.ground_truth == str(i)
+        assert item.extra_info == row["extra_info"]
+        assert item.index == i
+
+
+def test_collate_stacks_and_keeps_metadata(tiny_tokenizer, parquet):
+    ds = RLDataset(parquet(_rows(4)), tiny_tokenizer, max_prompt_length=128)
+    batch = collate([ds[i] for i in (2, 0)])
+    assert batch.input_ids.shape == batch.attention_mask.shape == batch.position_ids.shape == (2, 128)
+    assert torch.equal(batch.input_ids[0], ds[2].input_ids)
+    assert batch.ground_truths == ["2", "0"] and batch.indices == [2, 0]
+    assert batch.raw_prompts is None  # return_raw_chat=False
+    assert batch.data_sources == ["openai/gsm8k"] * 2
+    with pytest.raises(ValueError, match="empty"):
+        collate([])
+
+
+def test_several_files_and_a_custom_prompt_key(tiny_tokenizer, tmp_path):
+    rows = _rows(5)
+    for r in rows:
+        r["question_chat"] = r.pop("prompt")
+    a = write_parquet_atomic(rows[:2], tmp_path / "a.parquet")
+    b = write_parquet_atomic(rows[2:], tmp_path / "b.parquet")
+    ds = RLDataset([str(a), b], tiny_tokenizer, prompt_key="question_chat", max_prompt_length=256)
+    assert [ds[i].ground_truth for i in range(len(ds))] == ["0", "1", "2", "3", "4"]
+    assert [ds[i].index for i in range(len(ds))] == [0, 1, 2, 3, 4]
+
+
+def test_filter_overlong_counts_and_reports(tiny_tokenizer, parquet, caplog):
+    rows = _rows(12)
+    max_len = 40
+    lengths = [len(_template_ids(tiny_tokenizer, r["prompt"])) for r in rows]
+    expected_keep = [i for i, n in enumerate(lengths) if n <= max_len]
+    assert 0 < len(expected_keep) < len(rows)  # the fixture has both kinds
+    with caplog.at_level(logging.WARNING, logger="grpo_npu.data.rl_dataset"):
+        ds = RLDataset(parquet(rows), tiny_tokenizer, max_prompt_length=max_len, filter_overlong_prompts=True)
+    assert ds.num_filtered == len(rows) - len(expected_keep)
+    assert [ds[i].index for i in range(len(ds))] == expected_keep
+    assert f"filtered {ds.num_filtered} of {len(rows)} prompts" in caplog.text
+    assert all(int(ds[i].attention_mask.sum()) <= max_len for i in range(len(ds)))
+
+
+def test_filter_everything_is_an_error(tiny_tokenizer, parquet):
+    with pytest.raises(ValueError, match="every one of the 3 prompts .* longer than data.max_prompt_length=5"):
+        RLDataset(parquet(_rows(3)), tiny_tokenizer, max_prompt_length=5, filter_overlong_prompts=True)
+
+
+@pytest.mark.parametrize("mode", ["left", "right", "middle"])
+def test_truncation_modes(tiny_tokenizer, parquet, mode):
+    rows = _rows(6)
+    max_len = 21  # odd: middle keeps 10 + 11
+    ds = RLDataset(parquet(rows), tiny_tokenizer, max_prompt_length=max_len, truncation=mode,
+                   filter_overlong_prompts=False)
+    assert len(ds) == 6 and ds.num_filtered == 0
+    for i, row in enumerate(rows):
+        full = _template_ids(tiny_tokenizer, row["prompt"])
+        assert len(full) > max_len
+        expected = {"left": full[-max_len:], "right": full[:max_len], "middle": full[:10] + full[-11:]}[mode]
+        assert ds[i].raw_prompt_ids == expected
+        assert ds[i].input_ids.tolist() == expected and int(ds[i].attention_mask.sum()) == max_len
+
+
+def test_truncate_leaves_short_prompts_alone():
+    assert truncate([1, 2, 3], 3, "left") == [1, 2, 3]
+    assert truncate([1, 2, 3, 4, 5], 4, "middle") == [1, 2, 4, 5]
+    with pytest.raises(ValueError, match="cannot cut"):
+        truncate([1, 2, 3], 2, "error")
+
+
+def test_truncation_error_names_the_row_and_length(tiny_tokenizer, parquet):
+    rows = _rows(6)
+    path = parquet(rows)
+    n3 = len(_template_ids(tiny_tokenizer, rows[3]["prompt"]))
+    max_len = max(len(_template_ids(tiny_tokenizer, r["prompt"])) for i, r in enumerate(rows) if i != 3)
+    assert n3 > max_len
+    with pytest.raises(ValueError, match=rf"data\.parquet row 3: the prompt is {n3} tokens, longer than "
+                                         rf"data\.max_prompt_length={max_len}"):
+        RLDataset(path, tiny_tokenizer, max_prompt_length=max_len, truncation="error", filter_overlong_prompts=False)
+
+
+def test_bad_inputs_give_clear_errors(tiny_tokenizer, parquet, tmp_path):
+    good = parquet(_rows(2))
+    with pytest.raises(FileNotFoundError, match="nope.parquet does not exist"):
+        RLDataset([good, str(tmp_path / "nope.parquet")], tiny_tokenizer)
+    with pytest.raises(ValueError, match="no data files"):
+        RLDataset([], tiny_tokenizer)
+    with pytest.raises(ValueError, match=r"data.truncation='sideways'"):
+        RLDataset(good, tiny_tokenizer, truncation="sideways")
+
+    no_prompt = [{k: v for k, v in r.items() if k != "prompt"} for r in _rows(2)]
+    with pytest.raises(ValueError, match=r"no 'prompt' column \(data.prompt_key\); its columns are"):
+        RLDataset(parquet(no_prompt, "np.parquet"), tiny_tokenizer)
+    with pytest.raises(ValueError, match=r"no 'messages' column \(data.prompt_key\)"):
+        RLDataset(good, tiny_tokenizer, prompt_key="messages")
+
+    no_source = [{k: v for k, v in r.items() if k != "data_source"} for r in _rows(2)]
+    with pytest.raises(ValueError, match="no 'data_source' column"):
+        RLDataset(parquet(no_source, "ns.parquet"), tiny_tokenizer)
+
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.Table.from_pylist(_rows(1)).slice(0, 0), empty)
+    with pytest.raises(ValueError, match="hold no rows"):
+        RLDataset(str(empty), tiny_tokenizer)
+
+    plain = [{**r, "prompt": r["extra_info"]["question"]} for r in _rows(3)]  # a string, not a chat
+    with pytest.raises(ValueError, match=r"plain\.parquet row 0: column 'prompt' \(data.prompt_key\) must be a "
+                                         r"non-empty chat list .*got str"):
+        RLDataset(parquet(plain, "plain.parquet"), tiny_tokenizer)
+
+    no_content = _rows(2)
+    no_content[1]["prompt"] = [{"role": "user", "text": "hi"}]
+    with pytest.raises(ValueError, match=r"row 1: column 'prompt'"):
+        RLDataset(parquet(no_content, "nc.parquet"), tiny_tokenizer)
+
+    not_parquet = tmp_path / "x.parquet"
+    not_parquet.write_text("not parquet")
+    with pytest.raises(ValueError, match="cannot read .*x.parquet as parquet"):
+        RLDataset(str(not_parquet), tiny_tokenizer)
+
+
+# ---------------------------------------------------------------------------------------------
+# PromptLoader
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def small_ds(tiny_tokenizer, parquet):
+    return RLDataset(parquet(_rows(10)), tiny_tokenizer, max_prompt_length=64, truncation="left",
+                     filter_overlong_prompts=False)
+
+
+def _walk(loader, n_batches):
+    """The index lists of the next n batches, crossing epochs."""
+    out = []
+    while len(out) < n_batches:
+        for batch in loader:
+            out.append(batch.indices)
+            if len(out) == n_batches:
+                break
+    return out
+
+
+def test_loader_epochs_are_seeded_permutations(small_ds):
+    loader = PromptLoader(small_ds, 3, shuffle=True, seed=7, drop_last=True)
+    assert len(loader) == 3
+    epoch0 = [b.indices for b in loader]
+    epoch1 = [b.indices for b in loader]
+    assert loader.epoch == 2
+    for epoch in (epoch0, epoch1):
+        flat = [i for b in epoch for i in b]
+        assert len(flat) == 9 and len(set(flat)) == 9  # drop_last: one prompt left out
+    assert epoch0 != epoch1
+    again = PromptLoader(small_ds, 3, shuffle=True, seed=7)
+    assert [b.indices for b in again] == epoch0
+    other = PromptLoader(small_ds, 3, shuffle=True, seed=8)
+    assert [b.indices for b in other] != epoch0
+
+
+def test_loader_without_shuffle_and_drop_last(small_ds):
+    loader = PromptLoader(small_ds, 4, shuffle=False, drop_last=False)
+    assert [b.indices for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    val = PromptLoader(small_ds, None, shuffle=False, drop_last=False)
+    batches = list(val)
+    assert len(batches) == 1 and batches[0].indices == list(range(10))
+    assert batches[0].input_ids.shape == (10, 64)
+
+
+@pytest.mark.parametrize("stop_after", [0, 1, 2, 3, 4, 7])
+def test_resume_gives_the_same_batches(small_ds, stop_after):
+    reference = _walk(PromptLoader(small_ds, 3, seed=3), 10)
+    first = PromptLoader(small_ds, 3, seed=3)
+    seen = _walk(first, stop_after) if stop_after else []
+    state = first.state_dict()
+    resumed = PromptLoader(small_ds, 3, seed=3)
+    resumed.load_state_dict(state)
+    assert seen + _walk(resumed, 10 - stop_after) == reference
+
+
+def test_state_from_another_setup_is_refused(small_ds):
+    state = PromptLoader(small_ds, 3, seed=3).state_dict()
+    with pytest.raises(ValueError, match="saved batch_size=3 differs from the current batch_size=2"):
+        PromptLoader(small_ds, 2, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="saved seed=3 differs"):
+        PromptLoader(small_ds, 3, seed=4).load_state_dict(state)
+
+
+def test_loader_too_small_for_one_batch(small_ds):
+    with pytest.raises(ValueError, match="10 prompts, fewer than one batch of 16"):
+        PromptLoader(small_ds, 16, drop_last=True)
