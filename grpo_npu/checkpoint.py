@@ -1,0 +1,236 @@
+"""The checkpoint directory protocol: atomic commits, retention and resume discovery.
+
+Layout (verl's, so its tools find our checkpoints)::
+
+    default_local_dir/
+        global_step_10/            one complete checkpoint: actor/ shards, trainer_state.json,
+            COMPLETE               data.pt, rng.pt, ... plus the completion marker
+        global_step_20/
+        latest_checkpointed_iteration.txt    "20": the commit point, written last
+
+Protocol. The driver calls :meth:`CheckpointManager.begin` for a temporary directory
+(``.tmp_global_step_N_<pid>``, invisible to discovery), every rank writes its shards into it
+(a shared filesystem across nodes), then the driver alone calls :meth:`CheckpointManager.commit`:
+write ``COMPLETE``, fsync everything, rename to ``global_step_N`` (replacing a leftover of an
+earlier run safely), fsync the root, write the latest file through a temp file + ``os.replace``,
+then delete the oldest checkpoints beyond ``max_to_keep``. A process killed at any point leaves
+either the previous state or the new one, never a checkpoint that discovery would pick but that
+is half written. Saving the shards themselves is the workers' job; this module only manages the
+directories.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+from grpo_npu.config import RESUME_MODES
+
+logger = logging.getLogger(__name__)
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+COMPLETE_MARKER = "COMPLETE"
+STEP_PREFIX = "global_step_"
+TMP_PREFIX = ".tmp_global_step_"  # being written by a live (or killed) run
+TRASH_PREFIX = ".old_global_step_"  # a replaced checkpoint, deleted right after the rename
+
+_STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+_SCRATCH_DIR = re.compile(rf"^(?:{re.escape(TMP_PREFIX)}|{re.escape(TRASH_PREFIX)})(\d+)_(\d+)$")
+
+
+def step_of(path: str | os.PathLike) -> int:
+    """The N of a ``global_step_N`` directory; ValueError for any other name."""
+    match = _STEP_DIR.match(Path(path).name)
+    if not match:
+        raise ValueError(f"{path} is not a checkpoint directory: the name must be {STEP_PREFIX}<step>")
+    return int(match.group(1))
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """A checkpoint directory that was committed (holds the completion marker)."""
+    return (Path(path) / COMPLETE_MARKER).is_file()
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or a directory (directories: best effort, not every filesystem allows it)."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if path.is_dir() else os.O_RDONLY
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every directory, bottom-up."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            _fsync_path(Path(dirpath) / name)
+        _fsync_path(Path(dirpath))
+
+
+def _write_durable(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically and durably: temp file, fsync, os.replace, fsync folder."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_path(path.parent)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class CheckpointManager:
+    """Creates, commits, prunes and finds ``global_step_N`` checkpoints under ``root``."""
+
+    def __init__(self, root: str | os.PathLike, max_to_keep: int | None = None) -> None:
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"trainer.max_actor_ckpt_to_keep={max_to_keep} must be >= 1 or null (keep all)")
+        self.root = Path(root)
+        self.max_to_keep = max_to_keep
+
+    # -- paths ----------------------------------------------------------------------------------
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"{STEP_PREFIX}{step}"
+
+    @property
+    def latest_file(self) -> Path:
+        return self.root / LATEST_FILE
+
+    def complete_checkpoints(self) -> list[tuple[int, Path]]:
+        """Every committed ``global_step_N`` under root, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for child in self.root.iterdir():
+            match = _STEP_DIR.match(child.name)
+            if match and child.is_dir() and is_complete(child):
+                found.append((int(match.group(1)), child))
+        return sorted(found)
+
+    # -- writing --------------------------------------------------------------------------------
+    def begin(self, step: int) -> Path:
+        """A fresh temporary directory for checkpoint ``step``; removes scratch left by dead runs."""
+        if step < 0:
+            raise ValueError(f"checkpoint step {step} must be >= 0")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.clean_stale()
+        tmp = self.root / f"{TMP_PREFIX}{step}_{os.getpid()}"
+        if tmp.exists():  # an earlier aborted attempt of this very process
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, step: int, tmp: str | os.PathLike) -> Path:
+        """Make ``tmp`` the checkpoint ``global_step_<step>``, point the latest file at it, prune."""
+        tmp = Path(tmp)
+        if not tmp.is_dir():
+            raise FileNotFoundError(f"checkpoint temp directory {tmp} does not exist (was begin({step}) called?)")
+        if tmp.parent.resolve() != self.root.resolve():
+            raise ValueError(f"checkpoint temp directory {tmp} is not inside {self.root}")
+        marker = {"step": step, "time": time.time(), "pid": os.getpid()}
+        (tmp / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
+        _fsync_tree(tmp)
+
+        final = self.step_dir(step)
+        trash = None
+        if final.exists():  # a leftover of an earlier run at this step: move aside, then delete
+            trash = self.root / f"{TRASH_PREFIX}{step}_{os.getpid()}"
+            if trash.exists():
+                shutil.rmtree(trash)
+            os.replace(final, trash)
+        os.replace(tmp, final)
+        _fsync_path(self.root)
+        _write_durable(self.latest_file, f"{step}\n")
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        self._apply_retention(step)
+        return final
+
+    def abort(self, tmp: str | os.PathLike) -> None:
+        """Discard an uncommitted temporary directory."""
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def clean_stale(self) -> list[Path]:
+        """Delete temp/trash directories whose writer process is gone; returns what was removed."""
+        removed = []
+        if not self.root.is_dir():
+            return removed
+        for child in self.root.iterdir():
+            match = _SCRATCH_DIR.match(child.name)
+            if match and not _pid_alive(int(match.group(2))):
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child)
+        return removed
+
+    def _apply_retention(self, committed: int) -> None:
+        """Keep the newest ``max_to_keep`` checkpoints up to ``committed``; never delete ``committed``.
+
+        Checkpoints numbered above ``committed`` belong to an abandoned run that was resumed from an
+        earlier step; they are left alone (and replaced when training reaches their step again).
+        """
+        if self.max_to_keep is None:
+            return
+        older = [(s, p) for s, p in self.complete_checkpoints() if s < committed]
+        excess = len(older) - (self.max_to_keep - 1)
+        for _, path in older[:max(excess, 0)]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    # -- discovery ------------------------------------------------------------------------------
+    def latest(self) -> tuple[int, Path] | None:
+        """The checkpoint the latest file names if it is complete, else the highest complete one."""
+        try:
+            step = int(self.latest_file.read_text().strip())
+        except (OSError, ValueError):
+            step = None
+        if step is not None and is_complete(self.step_dir(step)):
+            return step, self.step_dir(step)
+        found = self.complete_checkpoints()
+        if found or self.latest_file.exists():
+            logger.warning("%s does not name a complete checkpoint; using %s", self.latest_file,
+                           found[-1][1] if found else "none (starting from scratch)")
+        return found[-1] if found else None
+
+    def resolve_resume(self, resume_mode: str, resume_from_path: str | None = None) -> tuple[int, Path] | None:
+        """What to resume from: auto (latest, or None), disable (None), resume_path (that checkpoint)."""
+        if resume_mode == "disable":
+            return None
+        if resume_mode == "auto":
+            return self.latest()
+        if resume_mode == "resume_path":
+            if not resume_from_path:
+                raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>")
+            path = Path(resume_from_path)
+            step = step_of(path)
+            if not path.is_dir():
+                raise FileNotFoundError(f"trainer.resume_from_path={resume_from_path}: no such checkpoint directory")
+            if not is_complete(path):
+                raise FileNotFoundError(f"trainer.resume_from_path={resume_from_path} is incomplete "
+                                        f"(no {COMPLETE_MARKER} marker: the run that wrote it stopped mid-save)")
+            return step, path
+        raise ValueError(f"trainer.resume_mode={resume_mode!r}; known modes: {', '.join(RESUME_MODES)}")

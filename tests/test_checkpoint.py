@@ -1,0 +1,192 @@
+"""The checkpoint directory protocol: commit, retention, discovery, and a run killed mid-save."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from grpo_npu import checkpoint as ckpt
+from grpo_npu.checkpoint import COMPLETE_MARKER, LATEST_FILE, CheckpointManager, is_complete, step_of
+
+
+def _save(mgr: CheckpointManager, step: int, payload: str = "weights") -> Path:
+    tmp = mgr.begin(step)
+    (tmp / "actor").mkdir()
+    for rank in range(2):  # what two ranks would write into the shared temp dir
+        (tmp / "actor" / f"model_rank_{rank}.pt").write_text(f"{payload}-{step}-{rank}")
+    (tmp / "trainer_state.json").write_text(f'{{"global_step": {step}}}')
+    return mgr.commit(step, tmp)
+
+
+def _visible(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+
+
+def test_commit_layout_and_latest(tmp_path):
+    mgr = CheckpointManager(tmp_path / "run")
+    assert mgr.latest() is None
+    final = _save(mgr, 5)
+    assert final == tmp_path / "run" / "global_step_5"
+    assert (final / "actor" / "model_rank_1.pt").read_text() == "weights-5-1"
+    assert is_complete(final)
+    assert (tmp_path / "run" / LATEST_FILE).read_text().strip() == "5"
+    assert mgr.latest() == (5, final)
+    _save(mgr, 10)
+    assert mgr.latest() == (10, mgr.step_dir(10))
+    assert _visible(tmp_path / "run") == ["global_step_10", "global_step_5", LATEST_FILE]
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".")]  # no temp left over
+
+
+def test_retention_keeps_newest_and_never_the_committed(tmp_path):
+    mgr = CheckpointManager(tmp_path, max_to_keep=2)
+    for step in (1, 2, 3, 4):
+        _save(mgr, step)
+    assert [s for s, _ in mgr.complete_checkpoints()] == [3, 4]
+    # A resumed run going back to step 2: the abandoned future (3, 4) is left alone, older ones pruned.
+    mgr1 = CheckpointManager(tmp_path, max_to_keep=1)
+    _save(mgr1, 2)
+    assert [s for s, _ in mgr1.complete_checkpoints()] == [2, 3, 4]
+    assert mgr1.latest() == (2, mgr1.step_dir(2))
+    with pytest.raises(ValueError, match="max_actor_ckpt_to_keep"):
+        CheckpointManager(tmp_path, max_to_keep=0)
+
+
+def test_commit_replaces_a_leftover_directory(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    _save(mgr, 3, payload="old")
+    stale = mgr.step_dir(3) / "stale_file"
+    stale.write_text("from an earlier run")
+    _save(mgr, 3, payload="new")
+    assert (mgr.step_dir(3) / "actor" / "model_rank_0.pt").read_text() == "new-3-0"
+    assert not stale.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_latest_falls_back_when_the_latest_file_is_wrong(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    _save(mgr, 1)
+    _save(mgr, 2)
+    (tmp_path / LATEST_FILE).write_text("7\n")  # names a checkpoint that does not exist
+    assert mgr.latest() == (2, mgr.step_dir(2))
+    (tmp_path / LATEST_FILE).write_text("garbage")
+    assert mgr.latest() == (2, mgr.step_dir(2))
+    (mgr.step_dir(2) / COMPLETE_MARKER).unlink()  # incomplete: marker missing
+    (tmp_path / LATEST_FILE).write_text("2\n")
+    assert mgr.latest() == (1, mgr.step_dir(1))
+    (tmp_path / "global_step_9").mkdir()  # a directory without a marker is never chosen
+    assert mgr.latest() == (1, mgr.step_dir(1))
+
+
+def test_latest_file_is_the_commit_point(tmp_path, monkeypatch):
+    """Killed after the rename but before the latest file moved: resume from the previous step."""
+    mgr = CheckpointManager(tmp_path)
+    _save(mgr, 1)
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(ckpt, "_write_durable", crash)
+    with pytest.raises(KeyboardInterrupt):
+        _save(mgr, 2)
+    monkeypatch.undo()
+    assert is_complete(mgr.step_dir(2))
+    assert mgr.latest() == (1, mgr.step_dir(1))
+    _save(mgr, 2, payload="redo")  # the rerun of step 2 replaces it cleanly
+    assert mgr.latest() == (2, mgr.step_dir(2))
+    assert (mgr.step_dir(2) / "actor" / "model_rank_0.pt").read_text() == "redo-2-0"
+
+
+def test_abort_and_begin_cleans_own_attempt(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    tmp = mgr.begin(4)
+    (tmp / "partial").write_text("x")
+    again = mgr.begin(4)  # same process, same step: a fresh, empty directory
+    assert again == tmp and list(again.iterdir()) == []
+    mgr.abort(again)
+    assert not again.exists()
+    assert mgr.latest() is None
+    with pytest.raises(FileNotFoundError, match="begin"):
+        mgr.commit(4, again)
+
+
+def test_resolve_resume_modes(tmp_path):
+    mgr = CheckpointManager(tmp_path / "run")
+    assert mgr.resolve_resume("auto") is None  # nothing yet: start from scratch
+    _save(mgr, 6)
+    assert mgr.resolve_resume("auto") == (6, mgr.step_dir(6))
+    assert mgr.resolve_resume("disable") is None
+    assert mgr.resolve_resume("resume_path", str(mgr.step_dir(6))) == (6, mgr.step_dir(6))
+    with pytest.raises(ValueError, match="trainer.resume_from_path"):
+        mgr.resolve_resume("resume_path", None)
+    missing = tmp_path / "elsewhere" / "global_step_3"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        mgr.resolve_resume("resume_path", str(missing))
+    partial = tmp_path / "run" / "global_step_8"
+    partial.mkdir()
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        mgr.resolve_resume("resume_path", str(partial))
+    with pytest.raises(ValueError, match="global_step_"):
+        mgr.resolve_resume("resume_path", str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="auto, disable, resume_path"):
+        mgr.resolve_resume("latest")
+
+
+def test_step_of():
+    assert step_of("/a/b/global_step_12") == 12
+    with pytest.raises(ValueError, match="global_step_"):
+        step_of("/a/b/step_12")
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from grpo_npu.checkpoint import CheckpointManager
+    mgr = CheckpointManager(sys.argv[1], max_to_keep=1)
+    tmp = mgr.begin(1)
+    (tmp / "model.pt").write_bytes(b"step1" * 1000)
+    mgr.commit(1, tmp)
+    tmp = mgr.begin(2)
+    with open(tmp / "model.pt", "wb") as f:
+        for i in range(10_000):
+            f.write(b"x" * 65536)
+            f.flush()
+            if i == 3:
+                print("writing", flush=True)
+            time.sleep(0.01)
+    mgr.commit(2, tmp)
+    print("committed", flush=True)
+    """
+)
+
+
+def test_kill_9_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
+    root = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "writing", f"writer did not start: {line!r}"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    stale = [p for p in root.iterdir() if p.name.startswith(".tmp_global_step_2_")]
+    assert len(stale) == 1 and (stale[0] / "model.pt").stat().st_size > 0  # it died mid-write
+
+    mgr = CheckpointManager(root, max_to_keep=1)
+    assert mgr.latest() == (1, root / "global_step_1")
+    assert mgr.resolve_resume("auto") == (1, root / "global_step_1")
+    assert (root / "global_step_1" / "model.pt").read_bytes() == b"step1" * 1000
+
+    # The next run cleans the dead writer's scratch when it starts saving, and carries on.
+    tmp = mgr.begin(2)
+    assert not stale[0].exists()
+    (tmp / "model.pt").write_bytes(b"step2")
+    mgr.commit(2, tmp)
+    assert mgr.latest() == (2, root / "global_step_2")
+    assert _visible(root) == ["global_step_2", LATEST_FILE]  # max_to_keep=1 pruned step 1
