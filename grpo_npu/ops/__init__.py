@@ -1,1 +1,40 @@
+"""NPU-native kernels with plain-PyTorch references, each op choosing its backend once.
 
+Ops (module -> NPU kernel):
+    rms_norm.rms_norm            torch_npu.npu_rms_norm
+    rotary.apply_rotary          torch_npu.npu_rotary_mul
+    swiglu.swiglu / gated_mlp    torch_npu.npu_swiglu
+    attention.attention          torch_npu.npu_fusion_attention
+    logprob.logprobs_from_logits torch_npu.npu_cross_entropy_loss (chunked; flash-attn CE on CUDA)
+    logprob.linear_logprobs      chunked lm_head + log-softmax, logits never materialised in full
+:func:`patch_model` swaps them into a transformers Qwen2/Qwen3/Llama model (reversible; see patch.py).
+Importing this package never imports torch_npu and never patches anything. The functions named
+like their module (``rms_norm``, ``swiglu``, ``attention``) are imported from the module
+(``from grpo_npu.ops.attention import attention``) so that ``grpo_npu.ops.attention`` stays the module.
+"""
+
+from grpo_npu.ops.attention import cu_seqlens_from_lengths, cu_seqlens_from_position_ids
+from grpo_npu.ops.dispatch import BACKENDS, backends, set_backend, use_backend
+from grpo_npu.ops.logprob import linear_logprobs, logprobs_from_logits
+from grpo_npu.ops.patch import PATCHABLE_OPS, PatchReport, PatchRow, is_patched, patch_model, unpatch_model
+from grpo_npu.ops.rotary import apply_rotary
+from grpo_npu.ops.swiglu import gated_mlp
+
+__all__ = [
+    "BACKENDS",
+    "PATCHABLE_OPS",
+    "PatchReport",
+    "PatchRow",
+    "apply_rotary",
+    "backends",
+    "cu_seqlens_from_lengths",
+    "cu_seqlens_from_position_ids",
+    "gated_mlp",
+    "is_patched",
+    "linear_logprobs",
+    "logprobs_from_logits",
+    "patch_model",
+    "set_backend",
+    "unpatch_model",
+    "use_backend",
+]

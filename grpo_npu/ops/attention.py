@@ -1,0 +1,201 @@
+"""Attention core (softmax(scale * q k^T, masked) v): ``torch_npu.npu_fusion_attention`` on Ascend.
+
+Two layouts, the flash-attention ones:
+- padded BSND: q (B, Sq, Nq, D), k/v (B, Skv, Nkv, D) -> (B, Sq, Nq, D);
+- varlen TND: q (T, Nq, D), k/v (Tk, Nkv, D) with ``cu_seqlens`` (n+1,) cumulative offsets starting
+  at 0 (flash-attn convention) -> (T, Nq, D). Sequences attend only within themselves.
+GQA is native (Nq a multiple of Nkv). ``causal`` is bottom-right aligned (query i of Sq sees keys
+j <= i + Skv - Sq), which is what both flash-attn and the NPU's sparse_mode 3 compute.
+``attn_mask`` follows torch SDPA: bool, True = attend. The NPU kernel wants the opposite
+(True = masked out); the NPU branch inverts it.
+
+NPU call (op-plugin docs): default ``scale`` is 1.0, so 1/sqrt(D) is always passed; causal uses
+``sparse_mode=3`` with the fixed 2048x2048 upper-triangular "compressed" mask (the kernel expands
+it); varlen passes ``actual_seq_qlen``/``actual_seq_kvlen`` as host lists of cumulative END offsets
+without the leading 0 (lengths 2,2,2 -> [2, 4, 6]).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from grpo_npu.ops import dispatch
+
+BACKEND = dispatch.register(dispatch.OpBackend("attention"))
+
+# sparse_mode 2/3 read a fixed-size upper-triangular mask and expand it to any (Sq, Skv).
+COMPRESSED_MASK_SIZE = 2048
+SPARSE_MODE_DEFAULT_MASK = 0  # atten_mask used as given (or full attention when it is None)
+SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3  # bottom-right aligned causal, from the compressed mask
+_compressed_masks: dict[torch.device, torch.Tensor] = {}
+
+
+def set_backend(name: str | None) -> None:
+    """Force 'npu' | 'reference' for attention (None: automatic)."""
+    BACKEND.set(name)
+
+
+def cu_seqlens_from_lengths(lengths: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Sequence lengths (n,) -> cumulative offsets (n+1,) int32 starting at 0."""
+    lengths = torch.as_tensor(lengths, dtype=torch.int32)
+    return F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Packed position ids (1, T) or (T,) restarting at 0 per sequence -> offsets (n+1,) int32."""
+    pos = position_ids.reshape(-1)
+    starts = torch.nonzero(pos == 0).flatten()
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        raise ValueError("cu_seqlens_from_position_ids: position_ids must start at 0 for every packed sequence")
+    total = torch.tensor([pos.numel()], device=starts.device)
+    return torch.cat((starts, total)).to(torch.int32)
+
+
+def _offsets(cu_seqlens: Sequence[int] | torch.Tensor, total: int, name: str) -> list[int]:
+    """Validated host list of cumulative offsets [0, ..., total]."""
+    offsets = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != total:
+        raise ValueError(f"attention: {name} must run from 0 to the token count {total}, got {offsets}")
+    if any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"attention: {name} must be non-decreasing, got {offsets}")
+    return offsets
+
+
+def _bottom_right_causal(sq: int, skv: int, device: torch.device) -> torch.Tensor:
+    """(Sq, Skv) bool, True where query i may see key j (j <= i + Skv - Sq)."""
+    return torch.ones(sq, skv, dtype=torch.bool, device=device).tril(diagonal=skv - sq)
+
+
+def _sdpa_bsnd(q, k, v, causal: bool, attn_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    sq, skv = q.shape[1], k.shape[1]
+    if causal and (attn_mask is not None or sq != skv):
+        keep = _bottom_right_causal(sq, skv, q.device)  # SDPA's is_causal is top-left aligned
+        attn_mask = keep if attn_mask is None else attn_mask & keep
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=attn_mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)  # (B, Sq, Nq, D)
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    attn_mask: torch.Tensor | None,
+    q_offsets: list[int] | None,
+    k_offsets: list[int] | None,
+    scale: float,
+) -> torch.Tensor:
+    """torch SDPA per batch (padded) or per sequence (varlen)."""
+    if q_offsets is None:
+        return _sdpa_bsnd(q, k, v, causal, attn_mask, scale)
+    outs = []
+    for qs, qe, ks, ke in zip(q_offsets, q_offsets[1:], k_offsets, k_offsets[1:]):
+        if qe == qs:
+            continue
+        if ke == ks:
+            raise ValueError(f"attention: query tokens {qs}:{qe} have no keys (empty kv segment)")
+        outs.append(_sdpa_bsnd(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], causal, None, scale)[0])
+    return torch.cat(outs)
+
+
+def _compressed_causal_mask(device: torch.device) -> torch.Tensor:
+    mask = _compressed_masks.get(device)
+    if mask is None:
+        mask = torch.triu(torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device), 1)
+        _compressed_masks[device] = mask
+    return mask
+
+
+def _attention_npu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    attn_mask: torch.Tensor | None,
+    q_offsets: list[int] | None,
+    k_offsets: list[int] | None,
+    scale: float,
+) -> torch.Tensor:
+    kwargs: dict = {"scale": scale, "keep_prob": 1.0}
+    if q_offsets is not None:
+        layout = "TND"
+        # Cumulative END offsets without the leading 0; sequences empty on both sides are dropped.
+        ends = [(qe, ke) for qs, qe, ks, ke in zip(q_offsets, q_offsets[1:], k_offsets, k_offsets[1:]) if (qs, ks) != (qe, ke)]
+        kwargs["actual_seq_qlen"] = [qe for qe, _ in ends]
+        kwargs["actual_seq_kvlen"] = [ke for _, ke in ends]
+    else:
+        layout = "BSND"
+    if attn_mask is not None:
+        sq, skv = q.shape[1], k.shape[1]
+        if causal:
+            attn_mask = attn_mask & _bottom_right_causal(sq, skv, q.device)
+        if attn_mask.dim() == 4:  # the kernel takes BNSS / B1SS / 11SS / SS: expand broadcast q/kv dims
+            attn_mask = attn_mask.expand(attn_mask.shape[0], attn_mask.shape[1], sq, skv)
+        kwargs["atten_mask"] = torch.logical_not(attn_mask).contiguous()  # NPU: True = masked out
+        kwargs["sparse_mode"] = SPARSE_MODE_DEFAULT_MASK
+    elif causal:
+        kwargs["atten_mask"] = _compressed_causal_mask(q.device)
+        kwargs["sparse_mode"] = SPARSE_MODE_RIGHT_DOWN_CAUSAL
+    head_num = q.shape[-2]
+    return dispatch.torch_npu().npu_fusion_attention(q, k, v, head_num, layout, **kwargs)[0]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    cu_seqlens_k: Sequence[int] | torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention in BSND (or TND with ``cu_seqlens``); see the module docstring."""
+    varlen = cu_seqlens is not None
+    token_dims = 3 if varlen else 4
+    if q.dim() != token_dims or k.dim() != token_dims:
+        want = "(T, N, D) with cu_seqlens" if varlen else "(B, S, N, D)"
+        raise ValueError(f"attention: q/k/v must be {want}, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"attention: head dims differ, q {q.shape[-1]} vs k {k.shape[-1]}")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"attention: query heads {q.shape[-2]} must be a multiple of kv heads {k.shape[-2]}")
+    if not varlen and q.shape[0] != k.shape[0]:
+        raise ValueError(f"attention: batch sizes differ, q {q.shape[0]} vs k {k.shape[0]}")
+    if attn_mask is not None:
+        if varlen:
+            raise ValueError("attention: attn_mask cannot be combined with cu_seqlens (varlen is mask-free)")
+        if attn_mask.dtype != torch.bool or attn_mask.dim() not in (2, 4):
+            raise ValueError(
+                f"attention: attn_mask must be bool (Sq, Skv) or (B|1, 1|N, Sq, Skv), got {attn_mask.dtype} "
+                f"{tuple(attn_mask.shape)}"
+            )
+    if cu_seqlens_k is not None and not varlen:
+        raise ValueError("attention: cu_seqlens_k needs cu_seqlens")
+    q_offsets = k_offsets = None
+    if varlen:
+        q_offsets = _offsets(cu_seqlens, q.shape[0], "cu_seqlens")
+        k_offsets = _offsets(cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+        if len(k_offsets) != len(q_offsets):
+            raise ValueError(f"attention: cu_seqlens has {len(q_offsets)} entries, cu_seqlens_k {len(k_offsets)}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    impl = _attention_npu if BACKEND.pick(q) == "npu" else attention_reference
+    return impl(q, k, v, causal=causal, attn_mask=attn_mask, q_offsets=q_offsets, k_offsets=k_offsets, scale=scale)

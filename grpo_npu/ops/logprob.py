@@ -1,0 +1,293 @@
+"""Token log-probabilities (and entropy) without a full fp32 (tokens x vocab) log-softmax.
+
+Two entry points, both returning fp32 values shaped like ``labels``:
+- :func:`logprobs_from_logits` -- logits (N, V) or (B, T, V) already exist;
+- :func:`linear_logprobs` -- hidden states (N, H) or (B, T, H) and the lm_head weight (V, H): the
+  logits are formed chunk by chunk and never exist in full, which is what makes the actor's
+  8 x 1024 x 151,936 log-prob pass fit.
+
+Both run a custom autograd Function over row chunks: forward keeps only the per-token log-sum-exp,
+backward recomputes each chunk's softmax (and, for the linear form, its logits), so neither pass
+holds more than one chunk of fp32 (rows, V) tensors. Logits are divided by ``temperature`` before
+the softmax, as verl does with the rollout temperature.
+
+Per-chunk statistics come from the backend chosen once for the op:
+- ``npu``: ``torch_npu.npu_cross_entropy_loss(reduction="none")`` on the fp32 chunk (N <= 200,000
+  rows per call); logp = -loss, lse = z[label] + loss, entropy from its log_prob output. The
+  kernel's own backward is not used: it would keep its (N, V) log_prob for every chunk.
+- ``cuda``: with flash-attn installed, logp-only calls on CUDA tensors go to flash-attn's Triton
+  cross-entropy over the whole logits (fp32 inside, saves only logits and lse, backward writes
+  the gradient in the logits' dtype). Entropy and the linear form use the chunked path.
+- ``reference``: logsumexp / gather / softmax in plain torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from grpo_npu import device
+from grpo_npu.ops import dispatch
+
+# npu_cross_entropy_loss accepts N in (0, 200000] rows per call (op-plugin docs).
+NPU_CE_MAX_ROWS = 200_000
+# Rows per chunk are chosen so one fp32 (rows, V) block is about this size; a chunk holds ~4 such
+# blocks at its peak (z, softmax, gradient, a product), so ~0.5 GiB of transient memory.
+CHUNK_BLOCK_BYTES = 128 * 1024**2
+_FLASH_ATTN_CE = "flash_attn.ops.triton.cross_entropy"
+
+
+def _auto_backend() -> str:
+    if device.is_npu_available():
+        return "npu"
+    if device.is_cuda_available():
+        try:
+            importlib.import_module(_FLASH_ATTN_CE)
+            return "cuda"
+        except ImportError:
+            pass
+    return "reference"
+
+
+BACKEND = dispatch.register(dispatch.OpBackend("logprob", ("npu", "cuda", "reference"), _auto_backend))
+
+# (z (n, V) fp32 tempered logits, labels (n,), with_entropy) -> (logp (n,), lse (n,), entropy (n,) | None)
+ChunkStats = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+
+def set_backend(name: str | None) -> None:
+    """Force 'npu' | 'cuda' | 'reference' for log-probs (None: automatic)."""
+    BACKEND.set(name)
+
+
+def default_chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk so that one fp32 (rows, vocab) block is about CHUNK_BLOCK_BYTES."""
+    return max(1, min(NPU_CE_MAX_ROWS, CHUNK_BLOCK_BYTES // (4 * vocab_size)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-chunk statistics
+# ------------------------------------------------------------------------------------------------
+def _stats_reference(z: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
+    lse = torch.logsumexp(z, dim=-1)  # (n,)
+    logp = z.gather(-1, labels[:, None]).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else None
+    return logp, lse, entropy
+
+
+def _stats_npu(z: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
+    loss, log_prob, _, _ = dispatch.torch_npu().npu_cross_entropy_loss(z, labels, reduction="none")
+    lse = z.gather(-1, labels[:, None]).squeeze(-1) + loss  # loss = lse - z[label]
+    entropy = -(log_prob.exp() * log_prob).sum(-1) if with_entropy else None
+    return -loss, lse, entropy
+
+
+def _tempered(logits_chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits / temperature; never modifies the input."""
+    z = logits_chunk.float()
+    return z / temperature if temperature != 1.0 else z
+
+
+def _chunk_grad(
+    z: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    g_logp: torch.Tensor,
+    g_entropy: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """d(loss)/d(logits) for one chunk, fp32 (n, V), from tempered logits z and their lse."""
+    p = torch.exp(z - lse[:, None])  # softmax
+    grad = p * (-g_logp[:, None])  # d logp / dz = onehot - p
+    grad.scatter_add_(1, labels[:, None], g_logp[:, None])
+    if g_entropy is not None:  # d H / dz_j = -p_j (z_j - E_p[z])
+        mean_z = (p * z).sum(-1, keepdim=True)
+        grad -= g_entropy[:, None] * p * (z - mean_z)
+    return grad / temperature if temperature != 1.0 else grad
+
+
+def _row_blocks(shape: torch.Size, rows: int) -> Iterator[tuple]:
+    """Index tuples covering a (N, ...) or (B, T, ...) tensor in row chunks of at most ``rows``."""
+    if len(shape) == 1:
+        for s in range(0, shape[0], rows):
+            yield (slice(s, s + rows),)
+    else:
+        for b in range(shape[0]):
+            for s in range(0, shape[1], rows):
+                yield (b, slice(s, s + rows))
+
+
+def _rows_view(x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., V) and labels (...) as (N, V) and (N,) when that is a view, else left (B, T, V) / (B, T)."""
+    try:
+        return x.view(-1, x.shape[-1]), labels.reshape(-1)
+    except RuntimeError:  # a strided slice such as logits[:, a:b]: walk it per batch row, no copy
+        if x.dim() != 3:
+            raise ValueError(f"non-contiguous logits must be (B, T, V), got {tuple(x.shape)}") from None
+        return x, labels
+
+
+# ------------------------------------------------------------------------------------------------
+# Autograd Functions
+# ------------------------------------------------------------------------------------------------
+class _ChunkedLogprobs(torch.autograd.Function):
+    """logits (N, V) | (B, T, V) -> (logp, entropy) fp32 shaped like labels; recomputes per chunk."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature: float, rows: int, with_entropy: bool, stats: ChunkStats):
+        logp = logits.new_empty(labels.shape, dtype=torch.float32)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        for idx in _row_blocks(labels.shape, rows):
+            lp, ls, ent = stats(_tempered(logits[idx], temperature), labels[idx], with_entropy)
+            logp[idx], lse[idx] = lp, ls
+            if with_entropy:
+                entropy[idx] = ent
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.temperature, ctx.rows, ctx.with_entropy = temperature, rows, with_entropy
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        for idx in _row_blocks(labels.shape, ctx.rows):
+            z = _tempered(logits[idx], ctx.temperature)
+            g_ent = g_entropy[idx] if ctx.with_entropy else None
+            grad[idx] = _chunk_grad(z, labels[idx], lse[idx], g_logp[idx], g_ent, ctx.temperature)
+        return grad, None, None, None, None, None
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """hidden (N, H), weight (V, H) -> (logp, entropy) over logits = hidden @ weight.T, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature: float, rows: int, with_entropy: bool, stats: ChunkStats):
+        n = hidden.shape[0]
+        logp = hidden.new_empty(n, dtype=torch.float32)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        for s in range(0, n, rows):
+            z = _tempered(hidden[s : s + rows] @ weight.t(), temperature)  # (rows, V)
+            lp, ls, ent = stats(z, labels[s : s + rows], with_entropy)
+            logp[s : s + rows], lse[s : s + rows] = lp, ls
+            if with_entropy:
+                entropy[s : s + rows] = ent
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.temperature, ctx.rows, ctx.with_entropy = temperature, rows, with_entropy
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        for s in range(0, hidden.shape[0], ctx.rows):
+            h = hidden[s : s + ctx.rows]
+            z = _tempered(h @ weight.t(), ctx.temperature)
+            g_ent = g_entropy[s : s + ctx.rows] if ctx.with_entropy else None
+            g = _chunk_grad(z, labels[s : s + ctx.rows], lse[s : s + ctx.rows], g_logp[s : s + ctx.rows], g_ent, ctx.temperature)
+            g = g.to(hidden.dtype)  # (rows, V)
+            if need_hidden:
+                grad_hidden[s : s + ctx.rows] = g @ weight
+            if need_weight:
+                grad_weight += (g.t() @ h).float()  # accumulate in fp32 across chunks
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------
+def _check_common(labels: torch.Tensor, temperature: float, chunk_size: int | None) -> torch.Tensor:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 rows, got {chunk_size}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be integer token ids, got {labels.dtype}")
+    return labels.long()
+
+
+def _stats_for(x: torch.Tensor) -> ChunkStats:
+    return _stats_npu if BACKEND.pick(x) == "npu" else _stats_reference
+
+
+def _flash_attn_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    ce = importlib.import_module(_FLASH_ATTN_CE)
+    flat = logits.reshape(-1, logits.shape[-1]).contiguous()
+    losses, _ = ce.cross_entropy_loss(flat, labels.reshape(-1), logit_scale=1.0 / temperature)
+    return (-losses).view(labels.shape)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(logits / temperature)[labels], fp32 shaped like labels; (logp, entropy) if asked.
+
+    logits (N, V) or (B, T, V) in any float dtype (strided slices such as ``logits[:, a:b]`` are
+    read in place), labels (N,) or (B, T). chunk_size: rows per chunk (default: ~128 MiB fp32).
+    """
+    labels = _check_common(labels, temperature, chunk_size)
+    if not logits.dtype.is_floating_point or logits.shape[:-1] != labels.shape or logits.dim() not in (2, 3):
+        raise ValueError(
+            f"logprobs_from_logits: logits {tuple(logits.shape)} {logits.dtype} must be float (N, V) or (B, T, V) "
+            f"matching labels {tuple(labels.shape)}"
+        )
+    backend = BACKEND.pick(logits)
+    if backend == "cuda" and not with_entropy:
+        return _flash_attn_logprobs(logits, labels, temperature)
+    rows = chunk_size or default_chunk_rows(logits.shape[-1])
+    if backend == "npu":
+        rows = min(rows, NPU_CE_MAX_ROWS)
+    logits_rows, labels_rows = _rows_view(logits, labels)
+    logp, entropy = _ChunkedLogprobs.apply(logits_rows, labels_rows, temperature, rows, with_entropy, _stats_for(logits))
+    logp = logp.view(labels.shape)
+    return (logp, entropy.view(labels.shape)) if with_entropy else logp
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of labels under logits = hidden @ weight.T, never forming all logits at once.
+
+    hidden (N, H) or (B, T, H), weight (V, H) (the lm_head weight, no bias), labels (N,) or (B, T).
+    Returns fp32 logp shaped like labels, or (logp, entropy) with ``with_entropy``. Gradients flow
+    to hidden and weight; backward recomputes each chunk's logits.
+    """
+    labels = _check_common(labels, temperature, chunk_size)
+    if hidden.shape[:-1] != labels.shape or hidden.dim() not in (2, 3):
+        raise ValueError(
+            f"linear_logprobs: hidden {tuple(hidden.shape)} must be (N, H) or (B, T, H) matching labels "
+            f"{tuple(labels.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"linear_logprobs: weight must be (V, H={hidden.shape[-1]}), got {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"linear_logprobs: hidden {hidden.dtype} and weight {weight.dtype} must share a dtype")
+    rows = chunk_size or default_chunk_rows(weight.shape[0])
+    hidden_rows = hidden.reshape(-1, hidden.shape[-1])
+    logp, entropy = _LinearLogprobs.apply(
+        hidden_rows, weight, labels.reshape(-1), temperature, min(rows, NPU_CE_MAX_ROWS), with_entropy, _stats_for(hidden)
+    )
+    logp = logp.view(labels.shape)
+    return (logp, entropy.view(labels.shape)) if with_entropy else logp

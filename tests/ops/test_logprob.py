@@ -1,0 +1,144 @@
+"""Log-probs / entropy: chunked paths (reference and NPU emulator) == a full log_softmax written here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_npu.ops import logprob as op
+
+
+def _naive(logits, labels, temperature):
+    logp_all = torch.log_softmax(logits.double() / temperature, dim=-1)
+    logp = logp_all.gather(-1, labels[..., None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+CASES = [  # (logits shape, temperature, chunk_size)
+    ((7, 50), 1.0, None),
+    ((7, 50), 0.7, 3),
+    ((2, 5, 33), 1.3, 1),
+    ((3, 4, 97), 1.0, 4),
+    ((1, 1, 11), 0.5, 2),
+]
+BRANCHES = ["reference_backend", "fake_npu"]
+
+
+@pytest.mark.parametrize("branch", BRANCHES)
+@pytest.mark.parametrize("shape,temperature,chunk", CASES)
+def test_logprobs_and_entropy_match_naive_forward_backward(branch, shape, temperature, chunk, request):
+    backend = request.getfixturevalue(branch)
+    logits = (3 * torch.randn(shape)).requires_grad_()
+    labels = torch.randint(0, shape[-1], shape[:-1])
+    logp, entropy = op.logprobs_from_logits(
+        logits, labels, temperature=temperature, with_entropy=True, chunk_size=chunk
+    )
+    if branch == "fake_npu":
+        assert backend.calls["npu_cross_entropy_loss"] >= 1
+    assert logp.dtype == torch.float32 and logp.shape == labels.shape
+    g_logp, g_ent = torch.randn_like(logp), torch.randn_like(entropy)
+    (grad,) = torch.autograd.grad((logp * g_logp).sum() + (entropy * g_ent).sum(), logits)
+
+    x = logits.detach().double().requires_grad_()
+    want_logp, want_ent = _naive(x, labels, temperature)
+    (want_grad,) = torch.autograd.grad((want_logp * g_logp).sum() + (want_ent * g_ent).sum(), x)
+    torch.testing.assert_close(logp, want_logp.float())
+    torch.testing.assert_close(entropy, want_ent.float())
+    torch.testing.assert_close(grad, want_grad.float())
+
+
+@pytest.mark.parametrize("branch", BRANCHES)
+def test_logp_only_and_strided_slice(branch, request):
+    request.getfixturevalue(branch)
+    full = torch.randn(3, 8, 40, requires_grad=True)
+    logits = full[:, 2:-1]  # the actor's response slice: a strided view, read without a copy
+    labels = torch.randint(0, 40, (3, 5))
+    logp = op.logprobs_from_logits(logits, labels, chunk_size=2)
+    (grad,) = torch.autograd.grad(logp.sum(), full)
+    x = full.detach().double().requires_grad_()
+    want = _naive(x[:, 2:-1], labels, 1.0)[0]
+    (want_grad,) = torch.autograd.grad(want.sum(), x)
+    torch.testing.assert_close(logp, want.float())
+    torch.testing.assert_close(grad, want_grad.float())
+
+
+def test_bf16_logits_give_fp32_logp(reference_backend):
+    logits = torch.randn(6, 64).bfloat16()
+    labels = torch.randint(0, 64, (6,))
+    logp = op.logprobs_from_logits(logits, labels)
+    assert logp.dtype == torch.float32
+    torch.testing.assert_close(logp, _naive(logits.float(), labels, 1.0)[0].float())
+
+
+@pytest.mark.parametrize("branch", BRANCHES)
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("hidden_shape,temperature,chunk", [((9, 16), 1.0, 4), ((2, 3, 16), 0.6, 1), ((5, 16), 1.0, None)])
+def test_linear_logprobs_match_naive_forward_backward(branch, with_entropy, hidden_shape, temperature, chunk, request):
+    request.getfixturevalue(branch)
+    vocab = 37
+    hidden = torch.randn(hidden_shape, requires_grad=True)
+    weight = (0.5 * torch.randn(vocab, hidden_shape[-1])).requires_grad_()
+    labels = torch.randint(0, vocab, hidden_shape[:-1])
+    out = op.linear_logprobs(hidden, weight, labels, chunk_size=chunk, with_entropy=with_entropy, temperature=temperature)
+    logp, entropy = out if with_entropy else (out, None)
+    g_logp = torch.randn_like(logp)
+    loss = (logp * g_logp).sum()
+    g_ent = torch.randn_like(logp)
+    if with_entropy:
+        loss = loss + (entropy * g_ent).sum()
+    grads = torch.autograd.grad(loss, (hidden, weight))
+
+    h, w = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    want_logp, want_ent = _naive(h @ w.t(), labels, temperature)
+    want_loss = (want_logp * g_logp).sum() + ((want_ent * g_ent).sum() if with_entropy else 0)
+    want_grads = torch.autograd.grad(want_loss, (h, w))
+    torch.testing.assert_close(logp, want_logp.float())
+    if with_entropy:
+        torch.testing.assert_close(entropy, want_ent.float())
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want.float())
+
+
+def test_linear_logprobs_bf16_and_frozen_weight(reference_backend):
+    hidden = torch.randn(6, 32, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(50, 32, dtype=torch.bfloat16)  # e.g. a reference model: no weight grad wanted
+    labels = torch.randint(0, 50, (6,))
+    logp = op.linear_logprobs(hidden, weight, labels, chunk_size=4)
+    (grad,) = torch.autograd.grad(logp.sum(), hidden)
+    h = hidden.detach().float().requires_grad_()
+    want = _naive(h @ weight.float().t(), labels, 1.0)[0].float()
+    (want_grad,) = torch.autograd.grad(want.sum(), h)
+    torch.testing.assert_close(logp, want, atol=0.1, rtol=0.02)  # bf16 logits: ~3 significant digits
+    torch.testing.assert_close(grad.float(), want_grad, atol=0.05, rtol=0.05)
+
+
+def test_no_grad_forward_only(reference_backend):
+    logits = torch.randn(4, 30)
+    labels = torch.randint(0, 30, (4,))
+    with torch.no_grad():
+        logp = op.logprobs_from_logits(logits, labels, chunk_size=3)
+    assert not logp.requires_grad
+    torch.testing.assert_close(logp, _naive(logits, labels, 1.0)[0].float())
+
+
+def test_default_chunk_rows_budget():
+    assert op.default_chunk_rows(151_936) == op.CHUNK_BLOCK_BYTES // (4 * 151_936)
+    assert op.default_chunk_rows(8) == op.NPU_CE_MAX_ROWS  # never above the NPU kernel's row limit
+    assert op.default_chunk_rows(10**12) == 1
+
+
+def test_rejects_bad_inputs(reference_backend):
+    logits, labels = torch.randn(4, 10), torch.randint(0, 10, (4,))
+    with pytest.raises(ValueError, match="temperature"):
+        op.logprobs_from_logits(logits, labels, temperature=0.0)
+    with pytest.raises(ValueError, match="matching labels"):
+        op.logprobs_from_logits(logits, labels[:3])
+    with pytest.raises(ValueError, match="integer"):
+        op.logprobs_from_logits(logits, labels.float())
+    with pytest.raises(ValueError, match="chunk_size"):
+        op.logprobs_from_logits(logits, labels, chunk_size=0)
+    with pytest.raises(ValueError, match=r"\(V, H=10\)"):
+        op.linear_logprobs(logits, torch.randn(5, 9), labels)
+    with pytest.raises(ValueError, match="dtype"):
+        op.linear_logprobs(logits, torch.randn(5, 10).double(), labels)
