@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 GSM8K_DATA_SOURCE = "openai/gsm8k"
+SYNTHETIC_DATA_SOURCE = "grpo_npu/arithmetic"  # the offline synthetic task under its own name (gsm8k-scored)
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 ANSWER_MARKER = "####"
 

@@ -1,0 +1,187 @@
+"""Reward managers: response token ids -> text -> scores -> token-level rewards on the last token.
+
+Shapes: B responses, T response tokens (right-padded). A response is its tokens up to and including
+the last one where ``response_mask`` is 1; it is decoded with ``skip_special_tokens=True`` and scored
+by ``compute_score(data_source, solution_str, ground_truth, extra_info)`` (float or dict with
+"score"). The reward sits on that last token of ``token_level_scores`` (B, T) float32; a response
+with no token carries none (its score is still reported).
+
+- ``naive``: reward = score.
+- ``dapo``: reward = score + overlong penalty (``reward_model.overlong_buffer``, docs/algorithms.md).
+
+Per-row info (``RewardOutput.extra``, one dict per row): ``score`` (the scorer's), ``acc`` (the
+scorer's, else the score, as verl's DAPO manager does), ``pred`` (the extracted answer, or None),
+any other keys the scorer returned, and for dapo ``overlong_reward`` and ``overlong``.
+
+Scoring runs through :class:`grpo_npu.reward.parallel.Scorer` (``num_workers``: 0 auto, 1 in-process,
+N a pool of N), parallel only where it pays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from grpo_npu.algo.dapo import overlong_penalty
+from grpo_npu.reward.parallel import Scorer
+from grpo_npu.reward.score import make_compute_score
+
+
+@dataclass
+class RewardOutput:
+    token_level_scores: torch.Tensor  # (B, T) float32: each row's reward on its last response token
+    extra: list[dict]  # B dicts: score, acc, pred, ... (see the module docstring)
+
+    def column(self, key: str) -> list:
+        """The per-row values of ``key`` (None where a row lacks it)."""
+        return [row.get(key) for row in self.extra]
+
+
+def decode(tokenizer, sequences: list[list[int]]) -> list[str]:
+    """Texts of token-id lists, special tokens skipped; the Rust batch decoder when it gives the same text.
+
+    transformers' ``batch_decode`` loops in Python (measured 0.8-0.9 s vs 0.4-0.5 s for 4096 x 622
+    tokens); its only extra step for a fast tokenizer is the optional space clean-up.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend.decode_batch(sequences, skip_special_tokens=True)
+    return tokenizer.batch_decode(sequences, skip_special_tokens=True)
+
+
+def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) index of each row's last 1 in the (B, T) mask; -1 for a row of zeros."""
+    T = response_mask.shape[1]
+    flipped_first = response_mask.flip(1).to(torch.int64).argmax(dim=1)  # (B,)
+    last = T - 1 - flipped_first
+    return torch.where(response_mask.any(dim=1), last, torch.full_like(last, -1))
+
+
+class NaiveRewardManager:
+    """reward = score, placed on each response's last token."""
+
+    name = "naive"
+
+    def __init__(self, tokenizer, compute_score: Callable | None = None, *, num_workers: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.scorer = Scorer(compute_score or make_compute_score(), num_workers=num_workers)
+
+    # -- scoring ----------------------------------------------------------------------------------
+    def __call__(
+        self,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        data_sources: Sequence[str],
+        ground_truths: Sequence[Any],
+        extra_infos: Sequence[dict | None] | None = None,
+    ) -> RewardOutput:
+        """Score B responses (response_ids, response_mask: (B, T)) -> RewardOutput."""
+        B, T = response_ids.shape
+        if response_mask.shape != (B, T):
+            raise ValueError(f"response_mask shape {tuple(response_mask.shape)} != response_ids shape {(B, T)}")
+        extra_infos = [None] * B if extra_infos is None else list(extra_infos)
+        for name, values in (("data_sources", data_sources), ("ground_truths", ground_truths), ("extra_infos", extra_infos)):
+            if len(values) != B:
+                raise ValueError(f"{name} has {len(values)} entries for {B} responses")
+
+        last = last_token_index(response_mask)  # (B,)
+        ids, ends = response_ids.tolist(), (last + 1).tolist()
+        texts = decode(self.tokenizer, [row[:end] for row, end in zip(ids, ends)])
+        rows = list(zip(range(B), data_sources, texts, ground_truths, extra_infos))
+        extra = self.scorer.score(rows)
+
+        scores = torch.tensor([info["score"] for info in extra], dtype=torch.float32)  # (B,)
+        rewards = self.shape_rewards(scores, response_mask.sum(dim=1), extra)  # (B,)
+        token_level_scores = torch.zeros(B, T, dtype=torch.float32)
+        has_token = last >= 0
+        token_level_scores[has_token.nonzero().squeeze(1), last[has_token]] = rewards[has_token]
+        return RewardOutput(token_level_scores=token_level_scores, extra=extra)
+
+    def shape_rewards(self, scores: torch.Tensor, lengths: torch.Tensor, extra: list[dict]) -> torch.Tensor:
+        """(B,) final reward from (B,) scores and response lengths; may add per-row info."""
+        return scores
+
+    def close(self) -> None:
+        """Shut the scoring pool down (if one was started)."""
+        self.scorer.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class DAPORewardManager(NaiveRewardManager):
+    """reward = score + overlong penalty (when the buffer is enabled)."""
+
+    name = "dapo"
+
+    def __init__(
+        self,
+        tokenizer,
+        compute_score: Callable | None = None,
+        *,
+        num_workers: int = 0,
+        max_response_length: int | None = None,
+        overlong_buffer_enable: bool = False,
+        overlong_buffer_len: int = 0,
+        overlong_penalty_factor: float = 1.0,
+    ) -> None:
+        super().__init__(tokenizer, compute_score, num_workers=num_workers)
+        if overlong_buffer_enable and max_response_length is None:
+            raise ValueError("reward_model.overlong_buffer.enable=True needs data.max_response_length")
+        self.overlong_enable = overlong_buffer_enable
+        self.max_response_length = max_response_length
+        self.overlong_buffer_len = overlong_buffer_len
+        self.overlong_penalty_factor = overlong_penalty_factor
+        if overlong_buffer_enable:  # validate the buffer settings now rather than at the first batch
+            self.shape_rewards(torch.zeros(1), torch.zeros(1), [{}])
+
+    def shape_rewards(self, scores: torch.Tensor, lengths: torch.Tensor, extra: list[dict]) -> torch.Tensor:
+        if not self.overlong_enable:
+            return scores
+        penalty = overlong_penalty(
+            lengths,
+            max_response_length=self.max_response_length,
+            buffer_len=self.overlong_buffer_len,
+            penalty_factor=self.overlong_penalty_factor,
+        )  # (B,) <= 0
+        for info, p in zip(extra, penalty.tolist()):
+            info["overlong_reward"] = p
+            info["overlong"] = p < 0
+        return scores + penalty
+
+
+REWARD_MANAGERS = {cls.name: cls for cls in (NaiveRewardManager, DAPORewardManager)}
+
+
+def get_reward_manager(
+    name: str,
+    *,
+    tokenizer,
+    compute_score: Callable | None = None,
+    num_workers: int = 0,
+    max_response_length: int | None = None,
+    overlong_buffer_enable: bool = False,
+    overlong_buffer_len: int = 0,
+    overlong_penalty_factor: float = 1.0,
+) -> NaiveRewardManager:
+    """The reward manager ``name`` (reward_model.reward_manager): naive | dapo."""
+    if name not in REWARD_MANAGERS:
+        raise ValueError(f"reward_model.reward_manager={name!r}; known: {sorted(REWARD_MANAGERS)}")
+    if name == "naive":
+        if overlong_buffer_enable:
+            raise ValueError("reward_model.overlong_buffer.enable=True needs reward_model.reward_manager=dapo")
+        return NaiveRewardManager(tokenizer, compute_score, num_workers=num_workers)
+    return DAPORewardManager(
+        tokenizer,
+        compute_score,
+        num_workers=num_workers,
+        max_response_length=max_response_length,
+        overlong_buffer_enable=overlong_buffer_enable,
+        overlong_buffer_len=overlong_buffer_len,
+        overlong_penalty_factor=overlong_penalty_factor,
+    )

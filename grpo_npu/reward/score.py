@@ -1,0 +1,69 @@
+"""The built-in rule rewards, chosen by exact ``data_source``, and the user hook that replaces them.
+
+``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)`` returns
+``{"score", "acc", "pred"}``; ``kwargs`` go to the chosen scorer (e.g. ``method="flexible"``,
+``format_score=0.1``, ``strict_string=True`` for gsm8k). :func:`make_compute_score` builds the
+function a reward manager calls: this dispatcher, or ``custom_reward_function.path``/``.name``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from grpo_npu.data.schema import GSM8K_DATA_SOURCE, SYNTHETIC_DATA_SOURCE
+from grpo_npu.reward import gsm8k, math as math_reward
+from grpo_npu.reward.custom import DEFAULT_NAME, FileFunction
+
+_SCORERS: dict[str, Callable[..., dict]] = {}
+
+
+def register_scorer(*data_sources: str) -> Callable:
+    """Register ``fn(solution_str, ground_truth, **kwargs) -> dict`` for these exact data sources."""
+
+    def decorate(fn: Callable[..., dict]) -> Callable[..., dict]:
+        for source in data_sources:
+            if source in _SCORERS:
+                raise ValueError(f"data_source {source!r} already has a scorer ({_SCORERS[source].__name__})")
+            _SCORERS[source] = fn
+        return fn
+
+    return decorate
+
+
+def known_data_sources() -> list[str]:
+    return sorted(_SCORERS)
+
+
+register_scorer(GSM8K_DATA_SOURCE, SYNTHETIC_DATA_SOURCE)(gsm8k.score_details)
+register_scorer("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")(
+    math_reward.score_details
+)
+register_scorer(
+    "math_dapo", "math", "math_dapo_reasoning", "aime", "aime24", "aime25", "aime2024", "aime2025",
+    "AIME2024", "AIME2025",
+)(math_reward.compute_score_dapo)
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs) -> dict:
+    """The built-in reward of one response, by exact ``data_source``."""
+    scorer = _SCORERS.get(data_source)
+    if scorer is None:
+        raise NotImplementedError(
+            f"no built-in reward for data_source={data_source!r}; known: {known_data_sources()}. "
+            "Score it with custom_reward_function.path=<file.py> (and .name=<function>)"
+        )
+    return scorer(solution_str, ground_truth, **kwargs)
+
+
+def make_compute_score(
+    custom_path: str | None = None, custom_name: str = DEFAULT_NAME, reward_kwargs: dict | None = None
+) -> Callable[..., Any]:
+    """``fn(data_source, solution_str, ground_truth, extra_info)``: the user's function or the built-ins.
+
+    The result pickles (a module-level partial or a :class:`FileFunction`), so a process pool can use it.
+    """
+    kwargs = dict(reward_kwargs or {})
+    if custom_path:
+        return FileFunction(custom_path, custom_name, kwargs)
+    return functools.partial(compute_score, **kwargs)
