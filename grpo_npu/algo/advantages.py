@@ -3,8 +3,11 @@
 Shapes: B responses, T response tokens; ``token_level_rewards``, ``values``, ``response_mask`` and
 both outputs are (B, T); ``group_ids`` holds one hashable key per response (the prompt uid).
 Every estimator returns ``(advantages, returns)`` in float32 (float64 input stays float64), zero
-outside the mask. Rewards at masked-out positions are ignored. Semantics:
-/work/shared/docs/algorithms.md ("Advantages").
+outside the mask. Rewards at masked-out positions are ignored; a fully masked row still belongs to
+its group (with score 0) and gets advantage 0. Semantics: /work/shared/docs/algorithms.md
+("Advantages"); where verl differs in a corner, the doc wins: rloo gives a group of one advantage 0
+(verl leaves its raw score), and reinforce_plus_plus / gae discount once per valid token, skipping
+masked-out tokens inside a response (verl's reinforce_plus_plus restarts the return there).
 
 Calling convention for the trainer: one uniform call for every estimator,
 
@@ -94,22 +97,24 @@ def compute_advantage(
 # ------------------------------------------------------------------------------------------------
 # Helpers
 # ------------------------------------------------------------------------------------------------
-def _check_shapes(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> None:
+def _valid_mask(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The response mask as bool (B, T), converted once per call (it is often int64)."""
     if token_level_rewards.dim() != 2 or token_level_rewards.shape != response_mask.shape:
         raise ValueError(
             f"token_level_rewards and response_mask: expected equal (B, T) shapes, got "
             f"{tuple(token_level_rewards.shape)} and {tuple(response_mask.shape)}"
         )
+    return response_mask.bool()
 
 
-def _sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def _sequence_scores(token_level_rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """s_i = sum_t of the rewards on valid tokens, (B,)."""
-    return masked_values(token_level_rewards, response_mask).sum(-1)
+    return masked_values(token_level_rewards, valid).sum(-1)
 
 
-def _broadcast(per_seq: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def _broadcast(per_seq: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """(B,) -> (B, T), zero off the mask."""
-    return per_seq.unsqueeze(-1) * response_mask.bool().to(per_seq.dtype)
+    return torch.where(valid, per_seq.unsqueeze(-1), torch.zeros((), dtype=per_seq.dtype, device=per_seq.device))
 
 
 def _group_centred(scores: torch.Tensor, group_ids):
@@ -134,14 +139,14 @@ def grpo_advantage(
     norm_by_std: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: (s_i - group mean) / (group std + eps); groups of one use mean 0, std 1."""
-    _check_shapes(token_level_rewards, response_mask)
-    scores = _sequence_scores(token_level_rewards, response_mask)  # (B,)
+    valid = _valid_mask(token_level_rewards, response_mask)
+    scores = _sequence_scores(token_level_rewards, valid)  # (B,)
     mean, std, count = _group_centred(scores, group_ids)
     centred = scores - mean
     if norm_by_std:
         std = torch.where(count > 1, std, torch.ones_like(std))
         centred = centred / (std + eps)
-    advantages = _broadcast(centred, response_mask)
+    advantages = _broadcast(centred, valid)
     return advantages, advantages
 
 
@@ -150,11 +155,11 @@ def rloo_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: s_i minus the mean of the other responses of its group, n/(n-1) (s_i - mu); 0 alone."""
-    _check_shapes(token_level_rewards, response_mask)
-    scores = _sequence_scores(token_level_rewards, response_mask)  # (B,)
+    valid = _valid_mask(token_level_rewards, response_mask)
+    scores = _sequence_scores(token_level_rewards, valid)  # (B,)
     mean, _, count = _group_centred(scores, group_ids)
     leave_one_out = torch.where(count > 1, count / (count - 1).clamp(min=1) * (scores - mean), torch.zeros_like(scores))
-    advantages = _broadcast(leave_one_out, response_mask)
+    advantages = _broadcast(leave_one_out, valid)
     return advantages, advantages
 
 
@@ -166,9 +171,8 @@ def reinforce_plus_plus_advantage(
 
     The discount applies once per valid token: masked-out tokens inside a response are skipped, as in gae.
     """
-    _check_shapes(token_level_rewards, response_mask)
-    rewards = masked_values(token_level_rewards, response_mask)  # (B, T)
-    valid = response_mask.bool()
+    valid = _valid_mask(token_level_rewards, response_mask)
+    rewards = masked_values(token_level_rewards, valid)  # (B, T)
     if gamma == 1.0:
         returns = rewards.flip(-1).cumsum(-1).flip(-1)
     else:
@@ -177,8 +181,8 @@ def reinforce_plus_plus_advantage(
         for t in range(rewards.shape[1] - 1, -1, -1):  # a scan over time steps, vectorised over B
             running = torch.where(valid[:, t], rewards[:, t] + gamma * running, running)
             returns[:, t] = running
-    returns = returns * valid.to(returns.dtype)
-    return masked_whiten(returns, response_mask), returns
+    returns = torch.where(valid, returns, torch.zeros((), dtype=returns.dtype, device=returns.device))
+    return masked_whiten(returns, valid), returns
 
 
 @register_advantage("reinforce_plus_plus_baseline", uses=("group_ids",))
@@ -186,10 +190,10 @@ def reinforce_plus_plus_baseline_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with a group baseline: s_i - group mean, broadcast, whitened over the batch."""
-    _check_shapes(token_level_rewards, response_mask)
-    scores = _sequence_scores(token_level_rewards, response_mask)  # (B,)
+    valid = _valid_mask(token_level_rewards, response_mask)
+    scores = _sequence_scores(token_level_rewards, valid)  # (B,)
     mean, _, _ = _group_centred(scores, group_ids)
-    advantages = masked_whiten(_broadcast(scores - mean, response_mask), response_mask)
+    advantages = masked_whiten(_broadcast(scores - mean, valid), valid)
     return advantages, advantages
 
 
@@ -207,12 +211,11 @@ def gae_advantage(
     The value after the last valid token is 0. A masked-out token between two valid ones (a tool
     output in a multi-turn response) is skipped: the next valid token's value and advantage carry over it.
     """
-    _check_shapes(token_level_rewards, response_mask)
+    valid = _valid_mask(token_level_rewards, response_mask)
     if values.shape != token_level_rewards.shape:
         raise ValueError(f"values: expected shape {tuple(token_level_rewards.shape)}, got {tuple(values.shape)}")
     dtype = acc_dtype(token_level_rewards)
-    rewards = masked_values(token_level_rewards, response_mask)  # (B, T)
-    valid = response_mask.bool()
+    rewards = masked_values(token_level_rewards, valid)  # (B, T)
     values = torch.where(valid, values.to(dtype), torch.zeros((), dtype=dtype, device=values.device))
     advantages = torch.zeros_like(rewards)
     next_value = torch.zeros_like(rewards[:, 0])  # (B,)
@@ -225,4 +228,4 @@ def gae_advantage(
         advantages[:, t] = adv_t
     advantages = torch.where(valid, advantages, torch.zeros((), dtype=dtype, device=advantages.device))
     returns = advantages + values
-    return masked_whiten(advantages, response_mask), returns
+    return masked_whiten(advantages, valid), returns
