@@ -118,7 +118,8 @@ def compute_throughput_metrics(num_tokens: int, step_seconds: float, n_devices: 
     }
 
 
-def _scalar(key: str, value: Any) -> float:
+def scalar_value(key: str, value: Any) -> float:
+    """A metric value (number, one-element tensor, numpy scalar) as a float; errors name the key."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"metric {key!r} is a tensor of shape {tuple(value.shape)}, expected one value")
@@ -136,6 +137,6 @@ def reduce_metrics(metrics: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     counts: dict[str, int] = {}
     for m in metrics:
         for key, value in m.items():
-            sums[key] = sums.get(key, 0.0) + _scalar(key, value)
+            sums[key] = sums.get(key, 0.0) + scalar_value(key, value)
             counts[key] = counts.get(key, 0) + 1
     return {key: sums[key] / counts[key] for key in sums}

@@ -1,0 +1,514 @@
+"""Metric sinks for the trainer: console (+ progress bar), jsonl, tensorboard, wandb, mlflow; PNG curves.
+
+    tracker = Tracker(run_dir, ("console", "jsonl"), project=..., experiment=..., config_dict=...,
+                      total_steps=100)
+    tracker.truncate_after(resumed_step)   # on resume: forget steps the checkpoint does not have
+    tracker.log({"critic/score/mean": 0.4, ...}, step=1)
+    tracker.close()                        # also writes reward.png, kl.png, ... into run_dir
+
+    python -m grpo_npu.tracking plot RUN_DIR     # the same PNGs from RUN_DIR/metrics.jsonl
+
+``metrics.jsonl`` holds one JSON object per ``log`` call: ``{"step": N, "<metric>": value, ...}``,
+flushed as it is written (a step logged twice, e.g. training then validation, has two lines;
+readers merge them, later lines winning). Non-finite values are written as ``NaN``/``Infinity``,
+which Python's json reads back. The optional backends (tensorboard, wandb, mlflow) are imported
+only when asked for, and a missing package is a clear error at construction.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import importlib.util
+import io
+import json
+import logging
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from grpo_npu.config import LOGGERS
+from grpo_npu.metrics import scalar_value
+from grpo_npu.tools import write_atomic
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+STEP_KEY = "step"
+
+
+class MissingPackageError(ImportError):
+    """A logger was asked for whose package is not installed."""
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What every sink may need to know about the run."""
+
+    run_dir: Path
+    project: str
+    experiment: str
+    config: Mapping[str, Any]
+    total_steps: int | None
+    initial_step: int = 0
+    progress: bool | None = None  # progress bar: None = only when stderr is a terminal
+
+
+# ============================================================================================
+# Reading metrics.jsonl
+# ============================================================================================
+def _parse_lines(text: str, path: Path) -> tuple[list[tuple[int, dict, str]], int]:
+    """(step, row, line) for each valid line, and the number of unreadable lines skipped."""
+    rows, bad = [], 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            step = row[STEP_KEY]
+            if isinstance(step, bool) or not isinstance(step, int):
+                raise ValueError
+        except (ValueError, TypeError, KeyError):
+            bad += 1
+            continue
+        rows.append((step, row, line))
+    if bad:
+        logger.warning("%s: skipped %d unreadable line(s) (a run killed mid-write?)", path, bad)
+    return rows, bad
+
+
+def read_metrics(path: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """{step: {metric: value}} from a metrics.jsonl (or a run directory); later lines win per key."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics file at {path}")
+    history: dict[int, dict[str, Any]] = {}
+    for step, row, _ in _parse_lines(path.read_text(encoding="utf-8"), path)[0]:
+        history.setdefault(step, {}).update((k, v) for k, v in row.items() if k != STEP_KEY)
+    return dict(sorted(history.items()))
+
+
+# ============================================================================================
+# Console line
+# ============================================================================================
+# (label, candidate keys -- the first one present is shown, format)
+CONSOLE_FIELDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("score", ("critic/score/mean",), "{:.3f}"),
+    ("resp_len", ("response_length/mean",), "{:.1f}"),
+    ("kl", ("actor/kl_loss", "actor/ppo_kl"), "{:.3g}"),
+    ("grad_norm", ("actor/grad_norm",), "{:.3g}"),
+    ("throughput", ("perf/throughput",), "{:.0f} tok/s/dev"),
+    ("step_time", ("timing_s/step",), "{:.1f}s"),
+)
+VAL_PREFIX = "val-core/"
+
+
+def format_console_line(metrics: Mapping[str, float], step: int, total_steps: int | None) -> str:
+    """One compact line: step, reward, response length, KL, grad norm, throughput, step time, val-core/*."""
+    parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
+    for label, keys, fmt in CONSOLE_FIELDS:
+        key = next((k for k in keys if k in metrics), None)
+        if key is not None:
+            name = "ppo_kl" if key == "actor/ppo_kl" else label
+            parts.append(f"{name} {fmt.format(metrics[key])}")
+    for key in sorted(k for k in metrics if k.startswith(VAL_PREFIX)):
+        parts.append(f"{key[len(VAL_PREFIX):]} {metrics[key]:.3f}")
+    return " | ".join(parts)
+
+
+# ============================================================================================
+# Sinks
+# ============================================================================================
+SINKS: dict[str, Callable[[RunInfo], "Sink"]] = {}
+
+
+def register_sink(name: str):
+    def wrap(cls):
+        SINKS[name] = cls
+        return cls
+
+    return wrap
+
+
+class Sink(abc.ABC):
+    """A metric destination: log one step, forget steps after a resume point, close."""
+
+    @abc.abstractmethod
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Record one step's metrics."""
+
+    def truncate_after(self, step: int) -> None:
+        """Drop what was logged for steps > ``step`` (resuming from checkpoint ``step``).
+
+        Remote services (wandb, mlflow) keep what they received; a resumed run logs again from
+        ``step + 1`` into a new run there.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Flush and release resources."""
+
+
+def _missing(logger_name: str, package: str) -> MissingPackageError:
+    return MissingPackageError(
+        f"trainer.logger includes {logger_name!r} but the {package} package is not installed: "
+        f"pip install {package} (or remove {logger_name!r} from trainer.logger)"
+    )
+
+
+@register_sink("console")
+class ConsoleSink(Sink):
+    """A line per step on stdout, and a progress bar on stderr that the lines never garble."""
+
+    def __init__(self, info: RunInfo) -> None:
+        from tqdm import tqdm
+
+        self._tqdm = tqdm
+        self._total = info.total_steps
+        self._bar = tqdm(total=info.total_steps, initial=info.initial_step, desc="training", unit="step",
+                         file=sys.stderr, dynamic_ncols=True, leave=True,
+                         disable=None if info.progress is None else not info.progress)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        # tqdm.write clears the bar, prints the line, then redraws the bar below it.
+        self._tqdm.write(format_console_line(metrics, step, self._total), file=sys.stdout)
+        if step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+
+    def truncate_after(self, step: int) -> None:
+        self._bar.n = min(self._bar.n, step)
+        self._bar.refresh()
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+@register_sink("jsonl")
+class JsonlSink(Sink):
+    """run_dir/metrics.jsonl, appended and flushed every step."""
+
+    def __init__(self, info: RunInfo) -> None:
+        self.path = info.run_dir / METRICS_FILE
+        self._drop_torn_tail()
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def _drop_torn_tail(self) -> None:
+        """A run killed mid-write can leave a last line without its newline: cut it off."""
+        if not self.path.is_file():
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            write_atomic(self.path, data[: data.rfind(b"\n") + 1])
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self._file.write(json.dumps({STEP_KEY: step, **metrics}) + "\n")  # one write per line
+        self._file.flush()
+
+    def truncate_after(self, step: int) -> None:
+        self._file.close()
+        if self.path.is_file():
+            rows, _ = _parse_lines(self.path.read_text(encoding="utf-8"), self.path)
+            kept = "".join(line + "\n" for s, _, line in rows if s <= step)
+            write_atomic(self.path, kept.encode("utf-8"))
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+@register_sink("tensorboard")
+class TensorBoardSink(Sink):
+    """Scalars in run_dir/tensorboard (or $TENSORBOARD_DIR) through torch's SummaryWriter."""
+
+    def __init__(self, info: RunInfo) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise _missing("tensorboard", "tensorboard") from None
+        self._writer_cls = SummaryWriter
+        self.log_dir = Path(os.environ.get("TENSORBOARD_DIR") or info.run_dir / "tensorboard")
+        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        if info.config:
+            self._writer.add_text("config", "```\n" + json.dumps(info.config, indent=2, default=str) + "\n```")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self._writer.add_scalar(key, value, global_step=step)
+        self._writer.flush()
+
+    def truncate_after(self, step: int) -> None:
+        # purge_step hides every event at step >= purge_step written by the earlier run.
+        self._writer.close()
+        self._writer = self._writer_cls(log_dir=str(self.log_dir), purge_step=step + 1)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def wandb_mode(environ: Mapping[str, str]) -> str:
+    """$WANDB_MODE if set, else online with an API key and offline without (works with no network)."""
+    return environ.get("WANDB_MODE") or ("online" if environ.get("WANDB_API_KEY") else "offline")
+
+
+@register_sink("wandb")
+class WandbSink(Sink):
+    """Weights & Biases; files under run_dir/wandb. Offline unless an API key (or WANDB_MODE) says otherwise."""
+
+    def __init__(self, info: RunInfo) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise _missing("wandb", "wandb") from None
+        self.mode = wandb_mode(os.environ)
+        self._run = wandb.init(project=info.project, name=info.experiment, config=dict(info.config),
+                               dir=str(info.run_dir), mode=self.mode)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self._run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+# MLflow metric names allow letters, digits, "_", "-", ".", " ", "/"; verl spells "@" as "_at_".
+_MLFLOW_BAD_CHARS = re.compile(r"[^0-9A-Za-z_\-. /]")
+MLFLOW_PARAM_BATCH = 100  # mlflow.log_params accepts at most 100 parameters per call
+MLFLOW_PARAM_MAX_CHARS = 500  # the parameter value limit of older MLflow servers
+
+
+def _have_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def mlflow_key(key: str) -> str:
+    return _MLFLOW_BAD_CHARS.sub("_", key.replace("@", "_at_"))
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat |= flatten(value, name + ".")
+        else:
+            flat[name] = value
+    return flat
+
+
+@register_sink("mlflow")
+class MlflowSink(Sink):
+    """MLflow; tracking URI from $MLFLOW_TRACKING_URI, else a SQLite store run_dir/mlflow.db.
+
+    (MLflow 3 refuses the old ./mlruns file store unless told otherwise; SQLite needs no server.)
+    """
+
+    def __init__(self, info: RunInfo) -> None:
+        try:
+            import mlflow
+        except ImportError:
+            raise _missing("mlflow", "mlflow") from None
+        self._mlflow = mlflow
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            if not _have_module("sqlalchemy"):
+                raise MissingPackageError(
+                    "trainer.logger includes 'mlflow' with no MLFLOW_TRACKING_URI: the local SQLite store "
+                    "needs sqlalchemy (pip install mlflow, not mlflow-skinny), or set MLFLOW_TRACKING_URI")
+            uri = f"sqlite:///{info.run_dir.resolve() / 'mlflow.db'}"
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment(info.project)
+        self._run = mlflow.start_run(run_name=info.experiment)
+        params = [(k, str(v)[:MLFLOW_PARAM_MAX_CHARS]) for k, v in flatten(info.config).items()]
+        for i in range(0, len(params), MLFLOW_PARAM_BATCH):
+            mlflow.log_params(dict(params[i:i + MLFLOW_PARAM_BATCH]))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self._mlflow.log_metrics({mlflow_key(k): v for k, v in metrics.items()}, step=step)
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+def make_sink(name: str, info: RunInfo) -> Sink:
+    if name not in SINKS:
+        raise ValueError(f"trainer.logger: unknown logger {name!r}; known loggers: {', '.join(SINKS)}")
+    return SINKS[name](info)
+
+
+# ============================================================================================
+# Tracker
+# ============================================================================================
+class Tracker:
+    """Sends each step's metrics to every configured sink; writes PNG curves when closed."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        loggers: Sequence[str] = ("console", "jsonl"),
+        *,
+        project: str = "grpo_npu",
+        experiment: str = "default",
+        config_dict: Mapping[str, Any] | None = None,
+        total_steps: int | None = None,
+        initial_step: int = 0,
+        progress: bool | None = None,
+    ) -> None:
+        if isinstance(loggers, str):
+            loggers = (loggers,)
+        unknown = [name for name in loggers if name not in SINKS]
+        if unknown:
+            raise ValueError(f"trainer.logger: unknown logger(s) {', '.join(map(repr, unknown))}; "
+                             f"known loggers: {', '.join(SINKS)}")
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        info = RunInfo(self.run_dir, project, experiment, dict(config_dict or {}), total_steps, initial_step, progress)
+        self.history: dict[int, dict[str, float]] = {}
+        self.sinks: dict[str, Sink] = {}
+        try:
+            for name in dict.fromkeys(loggers):  # de-duplicated, order kept
+                self.sinks[name] = make_sink(name, info)
+        except BaseException:
+            self._close_sinks()
+            raise
+        self._closed = False
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Record ``metrics`` (numbers or one-element tensors) for ``step`` in every sink."""
+        values = {key: scalar_value(key, value) for key, value in metrics.items()}
+        self.history.setdefault(step, {}).update(values)
+        for sink in self.sinks.values():
+            sink.log(values, step)
+
+    def truncate_after(self, step: int) -> None:
+        """On resume from checkpoint ``step``: drop everything logged for later steps."""
+        self.history = {s: m for s, m in self.history.items() if s <= step}
+        for sink in self.sinks.values():
+            sink.truncate_after(step)
+
+    def _close_sinks(self) -> None:
+        errors = []
+        for name, sink in self.sinks.items():
+            try:
+                sink.close()
+            except Exception as exc:  # close the others before reporting
+                errors.append(f"{name}: {exc}")
+        if errors:
+            raise RuntimeError("closing loggers failed: " + "; ".join(errors))
+
+    def close(self) -> None:
+        """Close every sink, then write the PNG curves (skipped with a warning without matplotlib)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._close_sinks()
+        finally:
+            jsonl = self.run_dir / METRICS_FILE
+            plot_curves(self.run_dir, history=None if "jsonl" in self.sinks and jsonl.is_file() else self.history)
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ============================================================================================
+# Plots
+# ============================================================================================
+@dataclass(frozen=True)
+class CurveSpec:
+    """One PNG: the metrics drawn on it (exact names, then any with one of the prefixes)."""
+
+    filename: str
+    title: str
+    ylabel: str
+    keys: tuple[str, ...]
+    prefixes: tuple[str, ...] = field(default=())
+
+    def select(self, names: set[str]) -> list[str]:
+        exact = [k for k in self.keys if k in names]
+        by_prefix = sorted(k for k in names if k.startswith(self.prefixes) and k not in exact) if self.prefixes else []
+        return exact + by_prefix
+
+
+CURVES = (
+    CurveSpec("reward.png", "Reward", "score", ("critic/score/mean",), (VAL_PREFIX,)),
+    CurveSpec("response_length.png", "Response length", "tokens",
+              ("response_length/mean", "response_length/max", "response_length/min")),
+    CurveSpec("kl.png", "KL", "kl", ("actor/kl_loss", "actor/ppo_kl")),
+    CurveSpec("entropy.png", "Entropy", "nats / token", ("actor/entropy",)),
+    CurveSpec("throughput.png", "Throughput", "tokens / s / device", ("perf/throughput",)),
+)
+
+_warned_no_matplotlib = False
+
+
+def plot_curves(run_dir: str | os.PathLike, history: Mapping[int, Mapping[str, Any]] | None = None) -> list[Path]:
+    """Write one PNG per curve in CURVES that has data; ``history`` defaults to run_dir/metrics.jsonl."""
+    global _warned_no_matplotlib
+    run_dir = Path(run_dir)
+    if history is None:
+        history = read_metrics(run_dir / METRICS_FILE)
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        if not _warned_no_matplotlib:
+            logger.warning("matplotlib is not installed: no PNG curves (pip install 'grpo_npu[plot]')")
+            _warned_no_matplotlib = True
+        return []
+    names = {k for row in history.values() for k in row}
+    written = []
+    for spec in CURVES:
+        keys = spec.select(names)
+        if not keys:
+            continue
+        fig = Figure(figsize=(7, 4), dpi=100)
+        ax = fig.add_subplot()
+        for key in keys:
+            points = [(s, float(row[key])) for s, row in sorted(history.items())
+                      if key in row and isinstance(row[key], (int, float)) and math.isfinite(float(row[key]))]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3, label=key)
+        ax.set_title(spec.title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(spec.ylabel)
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", bbox_inches="tight")
+        written.append(write_atomic(run_dir / spec.filename, buf.getvalue()))
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m grpo_npu.tracking", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    plot = sub.add_parser("plot", help="write reward/response_length/kl/entropy/throughput PNGs into RUN_DIR")
+    plot.add_argument("run_dir", help="a run directory holding metrics.jsonl")
+    args = parser.parse_args(argv)
+    try:
+        written = plot_curves(args.run_dir)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not written:
+        print("no curves written (matplotlib missing, or none of the plotted metrics were logged)", file=sys.stderr)
+        return 1
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
