@@ -1,0 +1,237 @@
+"""The per-rank hybrid worker: actor, rollout engine, reference and critic colocated on one device.
+
+The trainer drives a group of these (:mod:`grpo_npu.workers.group`); each call gets this rank's chunk
+of the batch and every method below is collective (all ranks call it together). Colocation is
+verl's hybrid engine: the rollout engine receives the actor's weights device-to-device, one gathered
+tensor at a time, in the wake/sync/generate/sleep order of :func:`grpo_npu.rollout.run_rollout_step`.
+
+Roles are decided by the config, once: the reference policy exists only when a KL term is on
+(``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``), the critic only when ``derive`` says so
+(``critic.enable``, default: adv_estimator == gae), the rollout unless ``with_rollout=False``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from grpo_npu.batch import RolloutBatch
+from grpo_npu.config import Config, derive
+from grpo_npu.device import get_device
+from grpo_npu.workers import fsdp
+from grpo_npu.workers.actor import (
+    Actor,
+    CausalLMLogProbs,
+    Policy,
+    build_sharded,
+    compute_dtype_of,
+    fused_kernels_on,
+    params_on,
+)
+from grpo_npu.workers.critic import Critic, ValueHead
+
+log = logging.getLogger(__name__)
+
+ACTOR_DIR = "actor"
+CRITIC_DIR = "critic"
+
+
+class HybridWorker:
+    """One rank's models. Construct inside an initialised process group (the WorkerGroup does)."""
+
+    def __init__(self, cfg: Config, with_rollout: bool = True):
+        self.cfg = cfg
+        self.dev = get_device(cfg.trainer.device)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.derived = derive(cfg, self.world_size)
+        self.with_rollout = with_rollout
+        self.actor: Actor | None = None
+        self.ref: Policy | None = None
+        self.critic: Critic | None = None
+        self.rollout: Any = None
+        self.ledger: Any = None
+        self.weights_stale = True  # the rollout has not yet received the actor's current weights
+
+    # -- building ---------------------------------------------------------------------------------
+    def init_model(self, total_steps: int = -1) -> dict[str, bool]:
+        """Build the roles this config needs; ``total_steps`` sizes the LR schedules. Returns what was built."""
+        cfg, arr, dev, d = self.cfg, self.cfg.actor_rollout_ref, self.dev, self.derived
+        model = arr.model
+        if not model.path:
+            raise ValueError("actor_rollout_ref.model.path is required")
+        if model.external_lib:
+            import importlib
+
+            importlib.import_module(model.external_lib)
+        dev.seed_everything(cfg.trainer.seed)
+        fused = fused_kernels_on(model, dev)
+        actor_module = build_sharded(
+            CausalLMLogProbs, path=model.path, override_config=dict(model.override_config),
+            trust_remote_code=model.trust_remote_code, fsdp_cfg=arr.actor.fsdp_config, dev=dev,
+            compute_dtype=compute_dtype_of(model, arr.actor.fsdp_config, dev), trainable=True,
+            gradient_checkpointing=model.enable_gradient_checkpointing, fused_kernels=fused, seed=cfg.trainer.seed,
+        )
+        self.actor = Actor(actor_module, dev, arr.actor, d, remove_padding=model.use_remove_padding,
+                           temperature=arr.rollout.temperature, total_steps=total_steps, seed=cfg.trainer.seed)
+        if d.use_reference:
+            ref_module = build_sharded(
+                CausalLMLogProbs, path=model.path, override_config=dict(model.override_config),
+                trust_remote_code=model.trust_remote_code, fsdp_cfg=arr.ref.fsdp_config, dev=dev,
+                compute_dtype=compute_dtype_of(model, arr.ref.fsdp_config, dev), trainable=False,
+                gradient_checkpointing=False, fused_kernels=fused, seed=cfg.trainer.seed,
+            )
+            self.ref = Policy(ref_module, dev, remove_padding=model.use_remove_padding,
+                              temperature=arr.rollout.temperature, param_offload=arr.ref.fsdp_config.param_offload)
+        if d.use_critic:
+            cm = cfg.critic.model
+            critic_module = build_sharded(
+                ValueHead, path=cm.path or model.path, override_config=dict(cm.override_config),
+                trust_remote_code=cm.trust_remote_code, fsdp_cfg=cm.fsdp_config, dev=dev,
+                compute_dtype=compute_dtype_of(model, cm.fsdp_config, dev), trainable=True,
+                gradient_checkpointing=cm.enable_gradient_checkpointing, fused_kernels=fused, value_head=True,
+                seed=cfg.trainer.seed,
+            )
+            self.critic = Critic(critic_module, dev, cfg.critic, d, default_agg_mode=arr.actor.loss_agg_mode,
+                                 default_epochs=arr.actor.ppo_epochs, default_dynamic_bsz=arr.actor.use_dynamic_bsz,
+                                 total_steps=total_steps, seed=cfg.trainer.seed)
+        if self.with_rollout:
+            self._build_rollout()
+        return {"actor": True, "ref": self.ref is not None, "critic": self.critic is not None,
+                "rollout": self.rollout is not None}
+
+    def _build_rollout(self) -> None:
+        from transformers import AutoTokenizer
+
+        from grpo_npu.rollout import MemoryLedger, build_rollout
+
+        arr = self.cfg.actor_rollout_ref
+        tok = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or arr.model.path,
+                                            trust_remote_code=arr.model.trust_remote_code)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.rollout = build_rollout(
+            arr.rollout, device=self.dev, model_path=arr.model.path, prompt_length=self.derived.prompt_length,
+            response_length=self.derived.response_length, pad_token_id=pad, eos_token_ids=[tok.eos_token_id],
+            module=self.actor.module, trust_remote_code=arr.model.trust_remote_code,
+        )
+        self.ledger = MemoryLedger(self.dev)
+
+    def _need(self, role: str) -> Any:
+        obj = getattr(self, role)
+        if obj is None:
+            why = {
+                "actor": "call init_model() first",
+                "ref": "no KL term is on (actor.use_kl_loss / algorithm.use_kl_in_reward), so no reference was built",
+                "critic": "no critic was built (critic.enable / algorithm.adv_estimator=gae)",
+                "rollout": "the worker was built with with_rollout=False",
+            }[role]
+            raise RuntimeError(f"this worker has no {role}: {why}")
+        return obj
+
+    # -- rollout ------------------------------------------------------------------------------------
+    def rollout_weights(self):
+        """The actor's weights as (HF name, full tensor) in the engine's dtype, gathered one at a time."""
+        arr = self.cfg.actor_rollout_ref
+        dtype = torch.float32 if not self.dev.is_accelerator else fsdp.resolve_dtype(arr.rollout.dtype, self.dev)
+        return fsdp.iter_full_state_dict(self._need("actor").module.hf, dtype=dtype)
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling) -> Any:
+        """Wake the engine, stream the actor's weights in, generate this rank's prompts x n, sleep."""
+        from grpo_npu.rollout import run_rollout_step
+
+        actor, rollout = self._need("actor"), self._need("rollout")
+        with params_on(actor.module, self.dev, actor.param_offload):
+            out = run_rollout_step(
+                rollout, self.dev, self.rollout_weights(), prompt_ids, prompt_mask, sampling,
+                free_weights=lambda: fsdp.reshard_all(actor.module), ledger=self.ledger,
+            )
+            fsdp.reshard_all(actor.module)
+        self.weights_stale = False
+        return out
+
+    def sync_rollout_weights(self) -> None:
+        """Stream the actor's weights into the rollout now (generate() also does it every call)."""
+        actor, rollout = self._need("actor"), self._need("rollout")
+        with params_on(actor.module, self.dev, actor.param_offload):
+            rollout.update_weights(self.rollout_weights())
+        self.weights_stale = False
+
+    # -- log-probs and values -----------------------------------------------------------------------
+    def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Old-policy log-probs (B, T) of this rank's rows and the ``actor/entropy`` metric."""
+        return self._need("actor").compute_log_prob(batch)
+
+    def compute_ref_log_prob(self, batch: RolloutBatch) -> torch.Tensor:
+        """Reference-policy log-probs (B, T) of this rank's rows."""
+        d = self.derived
+        return self._need("ref").log_probs(
+            batch, micro_size=d.ref_log_prob_micro_batch_per_rank,
+            max_tokens=d.ref_log_prob_max_token_len if d.ref_log_prob_use_dynamic_bsz else None, with_entropy=False,
+        )[0]
+
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        """Critic values (B, T) of this rank's rows."""
+        return self._need("critic").compute_values(batch)
+
+    # -- updates ------------------------------------------------------------------------------------
+    def update_actor(self, batch: RolloutBatch) -> dict[str, float]:
+        metrics = self._need("actor").update(batch)
+        self.weights_stale = True
+        return metrics
+
+    def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
+        return self._need("critic").update(batch)
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def save_checkpoint(self, out_dir: str, step: int) -> None:
+        """This rank's shards of actor (and critic) model + optimizer + scheduler + RNG under ``out_dir``."""
+        contents = set(self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
+        actor = self._need("actor")
+        extra = {"step": step, "rng": self.dev.get_rng_state(), **actor.state_extra()}
+        with params_on(actor.module, self.dev, actor.param_offload):
+            fsdp.save_sharded(os.path.join(out_dir, ACTOR_DIR), actor.module,
+                              actor.optimizer if "optimizer" in contents else None, extra)
+        if self.critic is not None:
+            with params_on(self.critic.module, self.dev, self.critic.param_offload):
+                fsdp.save_sharded(os.path.join(out_dir, CRITIC_DIR), self.critic.module, self.critic.optimizer,
+                                  self.critic.state_extra())
+        if "hf_model" in contents:
+            self.export_hf(os.path.join(out_dir, ACTOR_DIR, "huggingface"))
+
+    def load_checkpoint(self, in_dir: str) -> int:
+        """Restore what :meth:`save_checkpoint` wrote (same world size); returns the saved step."""
+        contents = set(self.cfg.actor_rollout_ref.actor.checkpoint.load_contents)
+        actor = self._need("actor")
+        with params_on(actor.module, self.dev, actor.param_offload):
+            extra = fsdp.load_sharded(os.path.join(in_dir, ACTOR_DIR), actor.module,
+                                      actor.optimizer if "optimizer" in contents else None)
+        if "extra" in contents:
+            actor.load_extra(extra)
+            self.dev.set_rng_state(extra["rng"])
+        if self.critic is not None:
+            with params_on(self.critic.module, self.dev, self.critic.param_offload):
+                self.critic.load_extra(fsdp.load_sharded(os.path.join(in_dir, CRITIC_DIR), self.critic.module,
+                                                         self.critic.optimizer))
+        self.weights_stale = True
+        return int(extra["step"])
+
+    def export_hf(self, out_dir: str, dtype: str | None = None) -> None:
+        """The actor as a from_pretrained-loadable directory (rank 0 writes; all ranks gather)."""
+        model = self.cfg.actor_rollout_ref.model
+        actor = self._need("actor")
+        with params_on(actor.module, self.dev, actor.param_offload):
+            fsdp.export_hf(actor.module.hf, out_dir, tokenizer_path=model.tokenizer_path or model.path,
+                           dtype=fsdp.resolve_dtype(dtype, self.dev) if dtype else None)
+        dist.barrier()
+
+    def memory_stats(self) -> dict[str, float]:
+        return self.dev.memory_stats().as_metrics()
+
+    def close(self) -> None:
+        if self.rollout is not None:
+            self.rollout.close()
+            self.rollout = None

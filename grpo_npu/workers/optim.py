@@ -1,0 +1,81 @@
+"""AdamW and the learning-rate schedule (``*.optim.*`` keys): linear warmup, then constant or cosine.
+
+The schedule is a multiplier of the peak ``lr`` as a function of the optimizer step s (0-based):
+- warmup (s < W): s / W, so the first step of a warmed-up run uses lr 0, as in verl / transformers;
+- constant: 1;
+- cosine: min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + cos(2 pi num_cycles p)),
+  p = (s - W) / (S - W) clamped to [0, 1], S = total steps (num_cycles 0.5: one decay to the floor).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+WARMUP_STYLES = ("constant", "cosine")
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> torch.optim.AdamW:
+    """AdamW over ``params`` (sharded DTensors are fine: the update is elementwise)."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ValueError("build_optimizer: the model has no trainable parameters")
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+
+
+def warmup_steps(total_steps: int, lr_warmup_steps: int, lr_warmup_steps_ratio: float) -> int:
+    """``optim.lr_warmup_steps`` when >= 0, else ``lr_warmup_steps_ratio`` x total steps (rounded down)."""
+    if lr_warmup_steps >= 0:
+        return lr_warmup_steps
+    return int(lr_warmup_steps_ratio * max(total_steps, 0))
+
+
+def lr_multiplier(
+    step: int, *, total_steps: int, warmup: int, style: str, min_lr_ratio: float, num_cycles: float
+) -> float:
+    """The factor applied to the peak lr at optimizer step ``step`` (see the module docstring)."""
+    if step < warmup:
+        return step / warmup
+    if style == "constant":
+        return 1.0
+    if style == "cosine":
+        progress = min(max((step - warmup) / max(1, total_steps - warmup), 0.0), 1.0)
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(2.0 * math.pi * num_cycles * progress))
+    raise ValueError(f"optim.warmup_style: unknown value {style!r}; known: {', '.join(WARMUP_STYLES)}")
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer,
+    *,
+    total_steps: int,
+    lr_warmup_steps: int,
+    lr_warmup_steps_ratio: float,
+    warmup_style: str,
+    min_lr_ratio: float,
+    num_cycles: float,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR stepping once per training step; ``total_steps`` <= 0 is only allowed for constant lr."""
+    if warmup_style not in WARMUP_STYLES:
+        raise ValueError(f"optim.warmup_style: unknown value {warmup_style!r}; known: {', '.join(WARMUP_STYLES)}")
+    if warmup_style == "cosine" and total_steps <= 0:
+        raise ValueError("optim.warmup_style=cosine needs the total number of training steps (optim.total_training_steps)")
+    if lr_warmup_steps < 0 and lr_warmup_steps_ratio > 0 and total_steps <= 0:
+        raise ValueError("optim.lr_warmup_steps_ratio > 0 needs the total number of training steps")
+    warmup = warmup_steps(total_steps, lr_warmup_steps, lr_warmup_steps_ratio)
+
+    def multiplier(step: int) -> float:
+        return lr_multiplier(
+            step, total_steps=total_steps, warmup=warmup, style=warmup_style, min_lr_ratio=min_lr_ratio,
+            num_cycles=num_cycles,
+        )
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
