@@ -460,6 +460,7 @@ def plot_curves(run_dir: str | os.PathLike, history: Mapping[int, Mapping[str, A
         history = read_metrics(run_dir / METRICS_FILE)
     try:
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         if not _warned_no_matplotlib:
             logger.warning("matplotlib is not installed: no PNG curves (pip install 'grpo_npu[plot]')")
@@ -481,6 +482,7 @@ def plot_curves(run_dir: str | os.PathLike, history: Mapping[int, Mapping[str, A
                 ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3, label=key)
         ax.set_title(spec.title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(spec.ylabel)
         ax.grid(True, alpha=0.3)
         if ax.lines:

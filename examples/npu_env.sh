@@ -1,0 +1,73 @@
+# Ascend NPU environment for the examples/*/run_*_npu.sh scripts (sourced, not run).
+#
+# Every variable below keeps a value the caller already exported, so a site can override any of
+# them (e.g. HCCL_CONNECT_TIMEOUT=3600 bash run_....sh). Set before sourcing:
+#   ENFORCE_EAGER   True (default): eager rollout; False: ACL graph mode (changes TASK_QUEUE_ENABLE).
+# Exports REPO_ROOT and puts it on PYTHONPATH, so the scripts run from a plain checkout.
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+
+# CANN toolkit: its set_env.sh puts the Ascend libraries, ops and tools on the paths.
+ASCEND_TOOLKIT_HOME="${ASCEND_TOOLKIT_HOME:-/usr/local/Ascend/ascend-toolkit}"
+if [[ -f "${ASCEND_TOOLKIT_HOME}/set_env.sh" ]]; then
+    set +u  # CANN's script reads variables that may be unset
+    # shellcheck disable=SC1091
+    source "${ASCEND_TOOLKIT_HOME}/set_env.sh"
+    set -u
+else
+    echo "npu_env: ${ASCEND_TOOLKIT_HOME}/set_env.sh not found; assuming CANN's environment is already set" >&2
+fi
+
+# HCCL: first collective of a large job can take minutes (rank discovery, weight loading elsewhere);
+# "auto" port ranges let several processes share one device (training ranks + the rollout engine).
+export HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-1800}"
+export HCCL_HOST_SOCKET_PORT_RANGE="${HCCL_HOST_SOCKET_PORT_RANGE:-auto}"
+export HCCL_NPU_SOCKET_PORT_RANGE="${HCCL_NPU_SOCKET_PORT_RANGE:-auto}"
+
+# vllm-ascend >= 0.11 with sleep mode: NZ weight format breaks wake_up(); keep ND.
+export VLLM_ASCEND_ENABLE_NZ="${VLLM_ASCEND_ENABLE_NZ:-0}"
+
+# Task queue level 2 (faster op dispatch) in eager mode; graph mode (ACL graph) needs level 1.
+ENFORCE_EAGER="${ENFORCE_EAGER:-True}"
+if [[ "${ENFORCE_EAGER,,}" == "true" ]]; then
+    export TASK_QUEUE_ENABLE="${TASK_QUEUE_ENABLE:-2}"
+else
+    export TASK_QUEUE_ENABLE="${TASK_QUEUE_ENABLE:-1}"
+fi
+
+# Bind each process's threads to the cores near its NPU.
+export CPU_AFFINITY_CONF="${CPU_AFFINITY_CONF:-1}"
+
+# jemalloc, when the machine has it, fragments host memory less over long runs (weights moved to
+# the host and back every step). Set GRPO_NPU_NO_JEMALLOC=1 to skip.
+if [[ -z "${GRPO_NPU_NO_JEMALLOC:-}" ]]; then
+    for _lib in /usr/lib/aarch64-linux-gnu/libjemalloc.so.2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 \
+                /usr/lib64/libjemalloc.so.2 /usr/local/lib/libjemalloc.so.2 /usr/local/lib/libjemalloc.so; do
+        if [[ -f "${_lib}" ]]; then
+            case ":${LD_PRELOAD:-}:" in
+                *":${_lib}:"*) ;;
+                *) export LD_PRELOAD="${_lib}${LD_PRELOAD:+:${LD_PRELOAD}}" ;;
+            esac
+            break
+        fi
+    done
+    unset _lib
+fi
+
+# Expandable segments: grpo_npu turns them ON for training and OFF around the rollout at run time
+# (grpo_npu.device.Device.set_expandable_segments, inside each worker). The environment variable
+# cannot be toggled that way, and vllm-ascend's sleep-mode memory pool refuses to start when it
+# says expandable_segments:True ("Expandable segments are not compatible with memory pool").
+_alloc_conf="${PYTORCH_NPU_ALLOC_CONF:-}"
+_alloc_conf="${_alloc_conf,,}"
+if [[ "${_alloc_conf// /}" == *expandable_segments:true* ]]; then
+    echo "npu_env: unsetting PYTORCH_NPU_ALLOC_CONF=${PYTORCH_NPU_ALLOC_CONF} (expandable segments are toggled at run time; the variable conflicts with sleep mode)" >&2
+    unset PYTORCH_NPU_ALLOC_CONF
+fi
+unset _alloc_conf
+
+# Data and checkpoints.
+DATA_DIR="${DATA_DIR:-${HOME}/data/gsm8k}"
+NNODES="${NNODES:-1}"
+NPUS_PER_NODE="${NPUS_PER_NODE:-8}"
