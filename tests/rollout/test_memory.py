@@ -1,0 +1,72 @@
+"""The memory ledger: metrics per cycle, and the leak warning with its figures."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from grpo_npu.device import MemoryStats
+from grpo_npu.rollout.memory import MemoryLedger
+
+MIB = 1024**2
+GIB = 1024**3
+
+
+class ScriptedDevice:
+    """memory_stats() returns the next allocated value from a script (reserved = 2x, free = 1 GiB)."""
+
+    def __init__(self, allocated):
+        self.allocated = iter(allocated)
+
+    def memory_stats(self) -> MemoryStats:
+        a = next(self.allocated)
+        return MemoryStats(a, 2 * a, 0, 0, GIB, 4 * GIB, 0)
+
+
+def _cycle(ledger):
+    for transition in ("before_wake", "after_wake", "before_sleep", "after_sleep"):
+        ledger.record(transition)
+    return ledger.end_cycle()
+
+
+def test_metrics_per_transition():
+    ledger = MemoryLedger(ScriptedDevice([1 * GIB, 3 * GIB, 4 * GIB, 1 * GIB]))
+    metrics = _cycle(ledger)
+    assert metrics["rollout/mem_allocated_gb_before_wake"] == 1.0
+    assert metrics["rollout/mem_allocated_gb_after_wake"] == 3.0
+    assert metrics["rollout/mem_reserved_gb_before_sleep"] == 8.0
+    assert metrics["rollout/mem_free_gb_after_sleep"] == 1.0
+    assert metrics["rollout/mem_sleep_growth_gb"] == 0.0
+    assert len(metrics) == 13
+
+
+def test_leak_across_cycles_is_warned_with_figures(caplog):
+    leak = 100 * MIB  # per cycle: over a window of 3 cycles, 300 MiB > 256 MiB
+    script = []
+    for cycle in range(5):
+        base = GIB + cycle * leak
+        script += [base, base + 2 * GIB, base + 2 * GIB, base]
+    ledger = MemoryLedger(ScriptedDevice(script), leak_threshold_bytes=256 * MIB, window=3)
+    with caplog.at_level(logging.WARNING, logger="grpo_npu.rollout.memory"):
+        growth = [_cycle(ledger)["rollout/mem_sleep_growth_gb"] for _ in range(5)]
+    assert growth[:3] == [0.0, 0.0, 0.0]
+    assert growth[3] == pytest.approx(300 / 1024)
+    assert ledger.leak_warnings == 2
+    assert "grew 0.293 GiB over the last 3 sleep/wake cycles (1.000 -> 1.293 GiB" in caplog.text
+
+
+def test_steady_memory_is_not_a_leak(caplog):
+    script = [GIB + (i % 3) * 10 * MIB for i in range(40)]  # allocator noise, no trend
+    ledger = MemoryLedger(ScriptedDevice(script))
+    with caplog.at_level(logging.WARNING, logger="grpo_npu.rollout.memory"):
+        for _ in range(10):
+            _cycle(ledger)
+    assert ledger.leak_warnings == 0 and not caplog.text
+
+
+def test_unknown_transition_and_bad_window():
+    with pytest.raises(ValueError, match="known: before_wake"):
+        MemoryLedger(ScriptedDevice([])).record("during_nap")
+    with pytest.raises(ValueError, match="window=0"):
+        MemoryLedger(ScriptedDevice([]), window=0)

@@ -1,0 +1,108 @@
+"""Engine settings, environment and sleep-mode guards of the vLLM backend (pure functions, no engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_npu.config import RolloutConfig
+from grpo_npu.device import Device
+from grpo_npu.rollout import build_rollout, training_sampling, validation_sampling
+from grpo_npu.rollout.vllm_rollout import (
+    CPU_KV_CACHE_BYTES,
+    check_expandable_segments,
+    default_sleep_level,
+    engine_environment,
+    vllm_engine_kwargs,
+)
+
+
+def test_sleep_level_defaults_to_1_on_npu_and_2_elsewhere():
+    assert default_sleep_level("npu") == 1
+    assert default_sleep_level("cuda") == 2
+    assert default_sleep_level("cpu") == 2
+    assert default_sleep_level("npu", 2) == 2
+    with pytest.raises(ValueError, match="sleep_level=3"):
+        default_sleep_level("cuda", 3)
+
+
+def test_npu_sleep_mode_sets_nz_off_and_refuses_it_on():
+    assert engine_environment("npu", True, {}) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ASCEND_ENABLE_NZ": "0"}
+    assert engine_environment("npu", True, {"VLLM_ASCEND_ENABLE_NZ": "0"})["VLLM_ASCEND_ENABLE_NZ"] == "0"
+    with pytest.raises(ValueError, match="VLLM_ASCEND_ENABLE_NZ=1 with actor_rollout_ref.rollout.enable_sleep_mode"):
+        engine_environment("npu", True, {"VLLM_ASCEND_ENABLE_NZ": "1"})
+    # Without sleep mode, or off NPU, NZ is the user's business.
+    assert "VLLM_ASCEND_ENABLE_NZ" not in engine_environment("npu", False, {"VLLM_ASCEND_ENABLE_NZ": "1"})
+    assert "VLLM_ASCEND_ENABLE_NZ" not in engine_environment("cuda", True, {})
+
+
+def test_engine_must_run_in_process():
+    assert engine_environment("cpu", False, {})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    with pytest.raises(ValueError, match="unset VLLM_ENABLE_V1_MULTIPROCESSING"):
+        engine_environment("cpu", False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+
+
+def test_expandable_segments_in_env_conflict_with_sleep_mode():
+    env = {"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"}
+    npu = Device("npu")
+    assert npu.env_has_expandable_segments(env)
+    with pytest.raises(ValueError) as err:
+        check_expandable_segments(True, npu.env_has_expandable_segments(env), npu.alloc_conf_env)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "PYTORCH_NPU_ALLOC_CONF" in message and "enable_sleep_mode=True" in message and "unset" in message
+    check_expandable_segments(False, True, npu.alloc_conf_env)  # no sleep mode: no conflict
+    check_expandable_segments(True, False, npu.alloc_conf_env)
+
+
+def _kwargs(device_kind="cpu", **overrides):
+    cfg = RolloutConfig(**overrides)
+    return vllm_engine_kwargs(cfg, model_path="/m", device_kind=device_kind, prompt_length=100, response_length=28,
+                              sleep_mode=device_kind != "cpu")
+
+
+def test_engine_kwargs_on_cpu():
+    kw = _kwargs("cpu", tensor_model_parallel_size=2, load_format="dummy_dtensor", max_num_batched_tokens=512)
+    assert kw["dtype"] == "float32"
+    assert kw["tensor_parallel_size"] == 1 and "distributed_executor_backend" not in kw
+    assert kw["load_format"] == "dummy"
+    assert kw["max_model_len"] == 128
+    assert kw["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES
+    assert kw["logprobs_mode"] == "processed_logprobs"
+    assert kw["enable_sleep_mode"] is False
+
+
+def test_engine_kwargs_on_accelerators_use_external_launcher_for_tp():
+    kw = _kwargs("npu", tensor_model_parallel_size=4, dtype="bf16", gpu_memory_utilization=0.6)
+    assert kw["tensor_parallel_size"] == 4 and kw["distributed_executor_backend"] == "external_launcher"
+    assert kw["dtype"] == "bfloat16" and kw["gpu_memory_utilization"] == 0.6 and kw["enable_sleep_mode"] is True
+    assert "kv_cache_memory_bytes" not in kw
+    assert "distributed_executor_backend" not in _kwargs("cuda", tensor_model_parallel_size=1)
+
+
+def test_engine_kwargs_user_overrides_and_bad_lengths():
+    kw = _kwargs("cpu", engine_kwargs={"vllm": {"kv_cache_memory_bytes": 123, "swap_space": 4}})
+    assert kw["kv_cache_memory_bytes"] == 123 and kw["swap_space"] == 4
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        _kwargs("cpu", max_model_len=64)
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False"):
+        _kwargs("cpu", enable_chunked_prefill=False, max_num_batched_tokens=100)
+
+
+def test_build_rollout_checks_its_inputs(tiny_hf):
+    common = dict(device=Device("cpu"), model_path="", prompt_length=8, response_length=8, pad_token_id=0)
+    with pytest.raises(ValueError, match="known: hf, vllm"):
+        build_rollout(RolloutConfig(name="sglang"), eos_token_ids=[2], **common)
+    with pytest.raises(ValueError, match="pass module="):
+        build_rollout(RolloutConfig(name="hf"), eos_token_ids=[2], **common)
+    with pytest.raises(ValueError, match="eos token"):
+        build_rollout(RolloutConfig(name="hf"), eos_token_ids=[], module=tiny_hf, **common)
+    assert build_rollout(RolloutConfig(name="hf"), eos_token_ids=[2], module=tiny_hf, **common).eos_token_ids == [2]
+
+
+def test_sampling_from_config():
+    cfg = RolloutConfig(n=4, temperature=0.8, top_p=0.9, top_k=20, calculate_log_probs=True)
+    train = training_sampling(cfg, response_length=64, seed=3)
+    assert (train.n, train.temperature, train.top_p, train.top_k, train.max_new_tokens) == (4, 0.8, 0.9, 20, 64)
+    assert train.return_logprobs and train.seed == 3 and not train.greedy
+    val = validation_sampling(cfg, response_length=64)
+    assert val.greedy and val.n == 1 and val.max_new_tokens == 64
