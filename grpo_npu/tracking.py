@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from grpo_npu.config import LOGGERS
 from grpo_npu.metrics import scalar_value
 from grpo_npu.tools import write_atomic
 

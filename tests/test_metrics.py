@@ -116,9 +116,12 @@ def test_data_metrics_match_python_loops(seed):
     rows = range(b)
     valid = lambda x: [x[i][j].item() for i in rows for j in range(t) if response_mask[i][j]]  # noqa: E731
     seq = lambda x: [sum(x[i][j].item() for j in range(t)) for i in rows]  # noqa: E731
-    for name, xs in [("critic/score", seq(batch.token_level_scores)), ("critic/rewards", seq(batch.token_level_rewards)),
-                     ("critic/advantages", valid(batch.advantages)), ("critic/returns", valid(batch.returns)),
-                     ("critic/values", valid(batch.values))]:
+    expected = {
+        "critic/score": seq(batch.token_level_scores), "critic/rewards": seq(batch.token_level_rewards),
+        "critic/advantages": valid(batch.advantages), "critic/returns": valid(batch.returns),
+        "critic/values": valid(batch.values),
+    }
+    for name, xs in expected.items():
         assert m[f"{name}/mean"] == pytest.approx(sum(xs) / len(xs), abs=1e-6)
         assert m[f"{name}/max"] == pytest.approx(max(xs)) and m[f"{name}/min"] == pytest.approx(min(xs))
     lens = [int(x) for x in lengths]

@@ -68,7 +68,8 @@ def test_truncate_after_on_resume(tmp_path):
         tracker.truncate_after(3)
         assert [r["step"] for r in _lines(tmp_path / METRICS_FILE)] == [1, 2, 3]
         tracker.log({"x": 40.0}, step=4)
-    assert [(r["step"], r.get("x")) for r in _lines(tmp_path / METRICS_FILE)] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+    rows = [(r["step"], r.get("x")) for r in _lines(tmp_path / METRICS_FILE)]
+    assert rows == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # atomic rewrite left no temp
 
 
@@ -110,6 +111,12 @@ def test_progress_bar_off_when_not_a_terminal(tmp_path, capsys):
         tracker.log({"critic/score/mean": 1.0}, step=1)
     out, err = capsys.readouterr()
     assert out == "step 1/2 | score 1.000\n" and err == ""
+
+
+def test_sinks_match_the_config_choices():
+    from grpo_npu.config import LOGGERS
+
+    assert tuple(tracking.SINKS) == LOGGERS
 
 
 def test_unknown_logger_lists_known(tmp_path):
