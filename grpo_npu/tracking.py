@@ -181,7 +181,8 @@ class ConsoleSink(Sink):
             self._bar.update(step - self._bar.n)
 
     def truncate_after(self, step: int) -> None:
-        self._bar.n = min(self._bar.n, step)
+        # Resuming from checkpoint ``step``: the bar continues from there.
+        self._bar.n = self._bar.last_print_n = step
         self._bar.refresh()
 
     def close(self) -> None:
@@ -351,10 +352,10 @@ class Tracker:
     def __init__(
         self,
         run_dir: str | os.PathLike,
-        loggers: Sequence[str] = ("console", "jsonl"),
+        loggers: Sequence[str],
         *,
-        project: str = "grpo_npu",
-        experiment: str = "default",
+        project: str,
+        experiment: str,
         config_dict: Mapping[str, Any] | None = None,
         total_steps: int | None = None,
         initial_step: int = 0,

@@ -27,6 +27,13 @@ from grpo_npu.tracking import (
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+def make(run_dir, loggers, **kwargs) -> Tracker:
+    """A Tracker with test project/experiment names unless given."""
+    kwargs.setdefault("project", "p")
+    kwargs.setdefault("experiment", "e")
+    return Tracker(run_dir, loggers, **kwargs)
+
+
 def _step_metrics(step: int) -> dict[str, float]:
     return {
         "critic/score/mean": 0.1 * step,
@@ -46,7 +53,7 @@ def _lines(path: Path) -> list[dict]:
 
 
 def test_jsonl_lines_flushed_each_step(tmp_path):
-    tracker = Tracker(tmp_path, ("jsonl",), total_steps=3)
+    tracker = make(tmp_path, ("jsonl",), total_steps=3)
     tracker.log({"a": 1.0, "t": torch.tensor(2.5)}, step=1)
     # flushed: readable before close
     assert _lines(tmp_path / METRICS_FILE) == [{"step": 1, "a": 1.0, "t": 2.5}]
@@ -55,16 +62,16 @@ def test_jsonl_lines_flushed_each_step(tmp_path):
     rows = _lines(tmp_path / METRICS_FILE)
     assert rows[1]["step"] == 2 and math.isnan(rows[1]["a"])
     with pytest.raises(ValueError, match="'bad'"):
-        Tracker(tmp_path / "x", ("jsonl",)).log({"bad": torch.ones(3)}, step=1)
+        make(tmp_path / "x", ("jsonl",)).log({"bad": torch.ones(3)}, step=1)
 
 
 def test_truncate_after_on_resume(tmp_path):
-    with Tracker(tmp_path, ("jsonl",)) as tracker:
+    with make(tmp_path, ("jsonl",)) as tracker:
         for step in range(1, 6):
             tracker.log({"x": float(step)}, step=step)
         tracker.log({"val": 9.0}, step=5)
     # the resumed run (checkpoint at step 3) reopens the file and forgets steps 4 and 5
-    with Tracker(tmp_path, ("jsonl",)) as tracker:
+    with make(tmp_path, ("jsonl",)) as tracker:
         tracker.truncate_after(3)
         assert [r["step"] for r in _lines(tmp_path / METRICS_FILE)] == [1, 2, 3]
         tracker.log({"x": 40.0}, step=4)
@@ -76,7 +83,7 @@ def test_truncate_after_on_resume(tmp_path):
 def test_torn_last_line_is_dropped_on_reopen(tmp_path):
     path = tmp_path / METRICS_FILE
     path.write_text('{"step": 1, "x": 1.0}\n{"step": 2, "x"')  # killed mid-write
-    with Tracker(tmp_path, ("jsonl",)) as tracker:
+    with make(tmp_path, ("jsonl",)) as tracker:
         tracker.log({"x": 2.0}, step=2)
     assert _lines(path) == [{"step": 1, "x": 1.0}, {"step": 2, "x": 2.0}]
 
@@ -96,7 +103,7 @@ def test_console_line_and_progress_bar(tmp_path, capsys):
                     "throughput 1002 tok/s/dev | step_time 2.0s | openai/gsm8k/reward/mean@1 0.457")
     assert format_console_line({"actor/ppo_kl": 0.25}, 1, None) == "step 1 | ppo_kl 0.25"
 
-    tracker = Tracker(tmp_path, ("console",), total_steps=3, progress=True)
+    tracker = make(tmp_path, ("console",), total_steps=3, progress=True)
     for step in (1, 2, 3):
         tracker.log(_step_metrics(step), step=step)
     tracker.close()
@@ -105,9 +112,16 @@ def test_console_line_and_progress_bar(tmp_path, capsys):
     assert "3/3" in err and "training" in err  # the bar went to stderr only
     assert "\r" not in out
 
+    resumed = make(tmp_path, ("console",), total_steps=5, progress=True)
+    resumed.truncate_after(3)  # resumed from checkpoint 3: the bar starts there
+    resumed.log({"critic/score/mean": 1.0}, step=4)
+    resumed.close()
+    out, err = capsys.readouterr()
+    assert out == "step 4/5 | score 1.000\n" and "3/5" in err and "4/5" in err
+
 
 def test_progress_bar_off_when_not_a_terminal(tmp_path, capsys):
-    with Tracker(tmp_path, ("console",), total_steps=2) as tracker:  # progress=None: pytest's stderr is no tty
+    with make(tmp_path, ("console",), total_steps=2) as tracker:  # progress=None: pytest's stderr is no tty
         tracker.log({"critic/score/mean": 1.0}, step=1)
     out, err = capsys.readouterr()
     assert out == "step 1/2 | score 1.000\n" and err == ""
@@ -121,11 +135,11 @@ def test_sinks_match_the_config_choices():
 
 def test_unknown_logger_lists_known(tmp_path):
     with pytest.raises(ValueError, match="known loggers: console, jsonl, tensorboard, wandb, mlflow"):
-        Tracker(tmp_path, ("console", "swanlab"))
+        make(tmp_path, ("console", "swanlab"))
 
 
 def test_curves_written_at_close_and_by_cli(tmp_path):
-    with Tracker(tmp_path, ("jsonl",)) as tracker:
+    with make(tmp_path, ("jsonl",)) as tracker:
         for step in range(1, 5):
             tracker.log(_step_metrics(step), step=step)
         tracker.log({"val-core/openai/gsm8k/reward/mean@1": 0.3}, step=4)
@@ -147,7 +161,7 @@ def test_cli_missing_run(tmp_path, capsys):
 
 
 def test_curves_only_for_logged_metrics_and_from_memory_without_jsonl(tmp_path):
-    with Tracker(tmp_path, ("console",)) as tracker:
+    with make(tmp_path, ("console",)) as tracker:
         tracker.log({"perf/throughput": 10.0}, step=1)
         tracker.log({"perf/throughput": 12.0}, step=2)
     assert [p.name for p in tmp_path.glob("*.png")] == ["throughput.png"]
@@ -175,7 +189,7 @@ def test_missing_matplotlib_warns_once_and_skips(tmp_path, monkeypatch, caplog):
 def test_missing_backend_is_a_clear_error(tmp_path, monkeypatch, name, module, package):
     monkeypatch.setitem(sys.modules, module, None)  # makes the import fail
     with pytest.raises(MissingPackageError, match=f"pip install {package}"):
-        Tracker(tmp_path, ("jsonl", name))
+        make(tmp_path, ("jsonl", name))
 
 
 def test_wandb_mode_defaults():
@@ -199,7 +213,7 @@ def test_wandb_wiring(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    with Tracker(tmp_path, ("wandb",), project="p", experiment="e", config_dict={"a": {"b": 1}}) as tracker:
+    with make(tmp_path, ("wandb",), project="p", experiment="e", config_dict={"a": {"b": 1}}) as tracker:
         tracker.log({"x": 1.0}, step=3)
     assert calls[0] == ("init", {"project": "p", "name": "e", "config": {"a": {"b": 1}}, "dir": str(tmp_path),
                                  "mode": "offline"})
@@ -219,11 +233,11 @@ def test_mlflow_wiring(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setattr(tracking, "_have_module", lambda name: False)
     with pytest.raises(MissingPackageError, match="sqlalchemy"):  # mlflow-skinny: no local store
-        Tracker(tmp_path, ("mlflow",))
+        make(tmp_path, ("mlflow",))
     monkeypatch.setattr(tracking, "_have_module", lambda name: name == "sqlalchemy")
     calls.clear()
     config = {"trainer": {f"k{i}": i for i in range(150)}, "model": {"path": "x" * 900}}
-    with Tracker(tmp_path, ("mlflow",), project="p", experiment="e", config_dict=config) as tracker:
+    with make(tmp_path, ("mlflow",), project="p", experiment="e", config_dict=config) as tracker:
         tracker.log({"val-core/openai/gsm8k/reward/mean@1": 0.5}, step=2)
     assert calls[0] == ("uri", f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}")
     assert calls[1:3] == [("experiment", "p"), ("start", "e")]
@@ -259,7 +273,7 @@ def test_tensorboard_wiring_and_purge_on_resume(tmp_path, monkeypatch):
     fake.SummaryWriter = Writer
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
     monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
-    with Tracker(tmp_path, ("tensorboard",), config_dict={"a": 1}) as tracker:
+    with make(tmp_path, ("tensorboard",), config_dict={"a": 1}) as tracker:
         tracker.log({"x": 1.0, "y": 2.0}, step=7)
         tracker.truncate_after(5)
     assert writers[0].log_dir == str(tmp_path / "tensorboard") and writers[0].text[0] == "config"
@@ -271,7 +285,7 @@ def test_real_tensorboard_if_installed(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    with Tracker(tmp_path, ("tensorboard",), config_dict={"a": 1}) as tracker:
+    with make(tmp_path, ("tensorboard",), config_dict={"a": 1}) as tracker:
         for step in (1, 2, 3):
             tracker.log({"critic/score/mean": float(step)}, step=step)
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
@@ -283,7 +297,7 @@ def test_real_mlflow_if_installed(tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow")
     pytest.importorskip("sqlalchemy")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    with Tracker(tmp_path, ("mlflow",), project="p", experiment="e", config_dict={"a": {"b": 1}}) as tracker:
+    with make(tmp_path, ("mlflow",), project="p", experiment="e", config_dict={"a": {"b": 1}}) as tracker:
         tracker.log({"critic/score/mean": 1.0, "val-core/x/reward/mean@1": 0.5}, step=1)
         tracker.log({"critic/score/mean": 2.0}, step=2)
     client = mlflow.tracking.MlflowClient(f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}")
@@ -298,6 +312,6 @@ def test_real_wandb_offline_if_installed(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    with Tracker(tmp_path, ("wandb",), project="p", experiment="e", config_dict={"a": 1}) as tracker:
+    with make(tmp_path, ("wandb",), project="p", experiment="e", config_dict={"a": 1}) as tracker:
         tracker.log({"critic/score/mean": 1.0}, step=1)
     assert list((tmp_path / "wandb").glob("offline-run-*"))
