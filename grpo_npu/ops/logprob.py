@@ -33,9 +33,10 @@ from grpo_npu.ops import dispatch
 
 # npu_cross_entropy_loss accepts N in (0, 200000] rows per call (op-plugin docs).
 NPU_CE_MAX_ROWS = 200_000
-# Rows per chunk are chosen so one fp32 (rows, V) block is about this size; a chunk holds ~4 such
-# blocks at its peak (z, softmax, gradient, a product), so ~0.5 GiB of transient memory.
-CHUNK_BLOCK_BYTES = 128 * 1024**2
+# Rows per chunk are chosen so one fp32 (rows, V) block is about this size. A chunk holds at most
+# ~3 such blocks (tempered logits, softmax, one product; the logp-only backward works in place in
+# one), so a few hundred MiB of transient memory whatever the token count.
+CHUNK_BLOCK_BYTES = 64 * 1024**2
 _FLASH_ATTN_CE = "flash_attn.ops.triton.cross_entropy"
 
 
@@ -84,10 +85,18 @@ def _stats_npu(z: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
     return -loss, lse, entropy
 
 
-def _tempered(logits_chunk: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 logits / temperature; never modifies the input."""
-    z = logits_chunk.float()
-    return z / temperature if temperature != 1.0 else z
+def _tempered(x: torch.Tensor, temperature: float, *, writable: bool, owned: bool = False) -> torch.Tensor:
+    """fp32 (n, V) logits / temperature, copying only when needed.
+
+    writable: the caller will overwrite the result, so it must not alias the input.
+    owned: x is already a temporary of ours (a matmul output) whose storage may be reused.
+    """
+    if x.dtype != torch.float32 or owned:
+        z = x.float()  # a fresh block (or our own temporary)
+        return z.div_(temperature) if temperature != 1.0 else z
+    if temperature != 1.0:
+        return x / temperature
+    return x.clone() if writable else x
 
 
 def _chunk_grad(
@@ -98,14 +107,20 @@ def _chunk_grad(
     g_entropy: torch.Tensor | None,
     temperature: float,
 ) -> torch.Tensor:
-    """d(loss)/d(logits) for one chunk, fp32 (n, V), from tempered logits z and their lse."""
-    p = torch.exp(z - lse[:, None])  # softmax
-    grad = p * (-g_logp[:, None])  # d logp / dz = onehot - p
-    grad.scatter_add_(1, labels[:, None], g_logp[:, None])
-    if g_entropy is not None:  # d H / dz_j = -p_j (z_j - E_p[z])
+    """d(loss)/d(logits) for one chunk, fp32 (n, V), computed in place of the tempered logits z.
+
+    d logp / dz = onehot - p and d H / dz_j = -p_j (z_j - E_p[z]), so the gradient is
+    onehot * g_logp - p * (g_logp + g_entropy * (z - E_p[z])).
+    """
+    if g_entropy is None:
+        grad = z.sub_(lse[:, None]).exp_().mul_(-g_logp[:, None])  # -p * g_logp, in z's storage
+    else:
+        p = torch.exp(z - lse[:, None])
         mean_z = (p * z).sum(-1, keepdim=True)
-        grad -= g_entropy[:, None] * p * (z - mean_z)
-    return grad / temperature if temperature != 1.0 else grad
+        weight = z.sub_(mean_z).mul_(g_entropy[:, None]).add_(g_logp[:, None])
+        grad = p.mul_(weight).neg_()
+    grad.scatter_add_(1, labels[:, None], g_logp[:, None])
+    return grad.div_(temperature) if temperature != 1.0 else grad
 
 
 def _row_blocks(shape: torch.Size, rows: int) -> Iterator[tuple]:
@@ -141,7 +156,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         for idx in _row_blocks(labels.shape, rows):
-            lp, ls, ent = stats(_tempered(logits[idx], temperature), labels[idx], with_entropy)
+            lp, ls, ent = stats(_tempered(logits[idx], temperature, writable=False), labels[idx], with_entropy)
             logp[idx], lse[idx] = lp, ls
             if with_entropy:
                 entropy[idx] = ent
@@ -156,7 +171,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         logits, labels, lse = ctx.saved_tensors
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
         for idx in _row_blocks(labels.shape, ctx.rows):
-            z = _tempered(logits[idx], ctx.temperature)
+            z = _tempered(logits[idx], ctx.temperature, writable=True)
             g_ent = g_entropy[idx] if ctx.with_entropy else None
             grad[idx] = _chunk_grad(z, labels[idx], lse[idx], g_logp[idx], g_ent, ctx.temperature)
         return grad, None, None, None, None, None
@@ -172,7 +187,7 @@ class _LinearLogprobs(torch.autograd.Function):
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         for s in range(0, n, rows):
-            z = _tempered(hidden[s : s + rows] @ weight.t(), temperature)  # (rows, V)
+            z = _tempered(hidden[s : s + rows] @ weight.t(), temperature, writable=False, owned=True)  # (rows, V)
             lp, ls, ent = stats(z, labels[s : s + rows], with_entropy)
             logp[s : s + rows], lse[s : s + rows] = lp, ls
             if with_entropy:
@@ -191,14 +206,17 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         for s in range(0, hidden.shape[0], ctx.rows):
             h = hidden[s : s + ctx.rows]
-            z = _tempered(h @ weight.t(), ctx.temperature)
+            z = _tempered(h @ weight.t(), ctx.temperature, writable=True, owned=True)
             g_ent = g_entropy[s : s + ctx.rows] if ctx.with_entropy else None
             g = _chunk_grad(z, labels[s : s + ctx.rows], lse[s : s + ctx.rows], g_logp[s : s + ctx.rows], g_ent, ctx.temperature)
             g = g.to(hidden.dtype)  # (rows, V)
             if need_hidden:
                 grad_hidden[s : s + ctx.rows] = g @ weight
-            if need_weight:
-                grad_weight += (g.t() @ h).float()  # accumulate in fp32 across chunks
+            if need_weight:  # accumulate in fp32 across chunks
+                if g.dtype == torch.float32:
+                    grad_weight.addmm_(g.t(), h)
+                else:
+                    grad_weight += (g.t() @ h).float()
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None

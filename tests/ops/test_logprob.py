@@ -30,6 +30,7 @@ BRANCHES = ["reference_backend", "fake_npu"]
 def test_logprobs_and_entropy_match_naive_forward_backward(branch, shape, temperature, chunk, request):
     backend = request.getfixturevalue(branch)
     logits = (3 * torch.randn(shape)).requires_grad_()
+    original = logits.detach().clone()
     labels = torch.randint(0, shape[-1], shape[:-1])
     logp, entropy = op.logprobs_from_logits(
         logits, labels, temperature=temperature, with_entropy=True, chunk_size=chunk
@@ -39,6 +40,7 @@ def test_logprobs_and_entropy_match_naive_forward_backward(branch, shape, temper
     assert logp.dtype == torch.float32 and logp.shape == labels.shape
     g_logp, g_ent = torch.randn_like(logp), torch.randn_like(entropy)
     (grad,) = torch.autograd.grad((logp * g_logp).sum() + (entropy * g_ent).sum(), logits)
+    assert torch.equal(logits.detach(), original)  # the in-place chunk arithmetic never touches the input
 
     x = logits.detach().double().requires_grad_()
     want_logp, want_ent = _naive(x, labels, temperature)
@@ -87,7 +89,9 @@ def test_linear_logprobs_match_naive_forward_backward(branch, with_entropy, hidd
     g_ent = torch.randn_like(logp)
     if with_entropy:
         loss = loss + (entropy * g_ent).sum()
+    h_before, w_before = hidden.detach().clone(), weight.detach().clone()
     grads = torch.autograd.grad(loss, (hidden, weight))
+    assert torch.equal(hidden.detach(), h_before) and torch.equal(weight.detach(), w_before)
 
     h, w = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     want_logp, want_ent = _naive(h @ w.t(), labels, temperature)
