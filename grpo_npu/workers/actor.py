@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -131,7 +132,12 @@ class CausalLMLogProbs(ResponseModel):
         return scatter_valid(logp, valid), (scatter_valid(entropy, valid) if with_entropy else None)
 
     def generate(self, *args, **kwargs):
-        """transformers ``generate`` of the wrapped model (an FSDP forward method: the root is gathered)."""
+        """transformers ``generate`` of the wrapped model (an FSDP forward method: the root is gathered).
+
+        With several ranks every decoding step is a collective (each layer gathers its shards), so all
+        ranks keep stepping until the last one is done (``synced_gpus``).
+        """
+        kwargs.setdefault("synced_gpus", dist.is_initialized() and dist.get_world_size() > 1)
         return self.hf.generate(*args, **kwargs)
 
 
@@ -258,6 +264,13 @@ def clip_and_step(
     return norm, stepped
 
 
+def step_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """One schedule step per training step, also when every optimizer step was skipped (no torch warning)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        scheduler.step()
+
+
 def mini_batches(num_rows: int, size: int, shuffle: torch.Generator | None) -> Iterator[list[int]]:
     """Row groups of ``size`` (the last may be smaller), optionally in a shuffled order."""
     order = torch.randperm(num_rows, generator=shuffle).tolist() if shuffle is not None else list(range(num_rows))
@@ -379,11 +392,11 @@ class Actor(Policy):
         with params_on(self.module, dev, self.param_offload), optimizer_on(self.optimizer, dev, cfg.fsdp_config.optimizer_offload):
             for _ in range(cfg.ppo_epochs):
                 for rows in mini_batches(len(batch), self.derived.mini_batch_responses_per_rank, self.shuffle):
-                    sums += self._mini_batch(batch.select(rows))
+                    sums += self.backward_mini_batch(batch.select(rows))
                     norm, stepped = clip_and_step(self.params, self.optimizer, cfg.grad_clip)
                     grad_norms.append(norm)
                     skipped += int(not stepped)
-        self.scheduler.step()
+        step_scheduler(self.scheduler)
         fsdp.all_reduce(sums)
         total = dict(zip(_SUM_KEYS, sums.tolist()))
         steps = max(len(grad_norms), 1)
@@ -404,8 +417,11 @@ class Actor(Policy):
             metrics["actor/entropy"] = total["entropy"] / steps
         return metrics
 
-    def _mini_batch(self, mini: RolloutBatch) -> torch.Tensor:
-        """Forward/backward every micro-batch of one mini-batch; returns local metric sums (see _SUM_KEYS)."""
+    def backward_mini_batch(self, mini: RolloutBatch) -> torch.Tensor:
+        """Forward/backward every micro-batch of one mini-batch, accumulating gradients (no step).
+
+        Returns this rank's metric sums (see _SUM_KEYS). Collective.
+        """
         cfg, d, dev = self.cfg, self.derived, self.dev
         num_tokens, num_seqs = losses.agg_counts(mini.response_mask)
         counts = fsdp.all_reduce(torch.stack([num_tokens, num_seqs]).to(dev.torch_device()))

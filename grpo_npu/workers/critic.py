@@ -29,6 +29,7 @@ from grpo_npu.workers.actor import (
     params_on,
     plan_micro_batches,
     scatter_valid,
+    step_scheduler,
 )
 from grpo_npu.workers.micro_batch import trim_padding
 from grpo_npu.workers.optim import build_optimizer, build_scheduler
@@ -99,11 +100,11 @@ class Critic:
                 optimizer_on(self.optimizer, dev, self.cfg.model.fsdp_config.optimizer_offload):
             for _ in range(self.epochs):
                 for rows in mini_batches(len(batch), self.derived.critic_mini_batch_responses_per_rank, self.shuffle):
-                    sums += self._mini_batch(batch.select(rows))
+                    sums += self.backward_mini_batch(batch.select(rows))
                     norm, stepped = clip_and_step(self.params, self.optimizer, self.cfg.grad_clip)
                     grad_norms.append(norm)
                     skipped += int(not stepped)
-        self.scheduler.step()
+        step_scheduler(self.scheduler)
         fsdp.all_reduce(sums)
         total = dict(zip(_SUM_KEYS, sums.tolist()))
         steps, tokens = max(len(grad_norms), 1), max(total["tokens"], 1.0)
@@ -116,7 +117,8 @@ class Critic:
             "critic/skipped_steps": float(skipped),
         }
 
-    def _mini_batch(self, mini: RolloutBatch) -> torch.Tensor:
+    def backward_mini_batch(self, mini: RolloutBatch) -> torch.Tensor:
+        """Forward/backward every micro-batch of one mini-batch (no step); returns local metric sums. Collective."""
         cfg, dev = self.cfg, self.dev
         num_tokens, num_seqs = losses.agg_counts(mini.response_mask)
         counts = fsdp.all_reduce(torch.stack([num_tokens, num_seqs]).to(dev.torch_device()))

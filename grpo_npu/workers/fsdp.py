@@ -55,19 +55,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(dev: Device, *, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
-    """Initialise the default process group with the device layer's backend (no-op if already up)."""
+def init_distributed(dev: Device, *, rank: int, world_size: int, master_addr: str, master_port: int) -> bool:
+    """Initialise the default process group with the device layer's backend; False if one was already up."""
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(
                 f"a process group (rank {dist.get_rank()} of {dist.get_world_size()}) already exists; "
                 f"cannot join as rank {rank} of {world_size}"
             )
-        return
+        return False
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     dist.init_process_group(
         backend=dev.dist_backend(), init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
     )
+    return True
+
+
+def destroy_distributed() -> None:
+    """Leave the default process group and forget the meshes built on it."""
+    _MESHES.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 _MESHES: dict[tuple[int, str, int], DeviceMesh] = {}

@@ -55,6 +55,7 @@ class RankHost:
         self.world_size = world_size
         self.device_kind = device_kind
         self.worker: Any = None
+        self.owns_process_group = False
 
     def address(self) -> tuple[str, int]:
         """(host IP, a free port) for the rendezvous; asked of rank 0."""
@@ -77,8 +78,8 @@ class RankHost:
             if dev.is_accelerator:
                 dev.set_device(local_rank % max(dev.device_count(), 1))
             os.environ["LOCAL_RANK"] = str(local_rank)
-            init_distributed(dev, rank=self.rank, world_size=self.world_size, master_addr=master_addr,
-                             master_port=master_port)
+            self.owns_process_group = init_distributed(dev, rank=self.rank, world_size=self.world_size,
+                                                       master_addr=master_addr, master_port=master_port)
             self.worker = worker_cls(*args, **kwargs)
         except Exception:
             raise WorkerError(self.rank, f"{worker_cls.__name__}.__init__", traceback.format_exc()) from None
@@ -94,14 +95,15 @@ class RankHost:
             raise WorkerError(self.rank, method, traceback.format_exc()) from None
 
     def shutdown(self) -> None:
-        """Close the worker and leave the process group."""
-        import torch.distributed as dist
+        """Close the worker and leave the process group (if this host created it)."""
+        from grpo_npu.workers.fsdp import destroy_distributed
 
         close = getattr(self.worker, "close", None)
+        self.worker = None
         if close is not None:
             close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if self.owns_process_group:
+            destroy_distributed()
 
 
 def _node_ip() -> str:

@@ -1,0 +1,259 @@
+"""The FSDP2 actor in one process (a world-size-1 gloo group): log-probs, gradients, update invariances.
+
+References are written here with the plain transformers model: full logits, a float64 log-softmax,
+the PPO loss spelled out by hand.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpo_npu.workers import fsdp
+
+from .helpers import ROWS, full_weights, make_batch, make_cfg, make_worker, max_abs_diff
+
+pytestmark = pytest.mark.usefixtures("process_group")
+
+# fp32 forward passes of the same model that differ only in summation order / packing.
+LOGP_ATOL = 1e-5
+
+
+def _reference_logp(model_path: str, batch, temperature: float = 1.0, grad: bool = False):
+    """(logp (B, T), entropy (B, T), model) from the plain HF model with full float64 log-softmax."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="eager")
+    p = batch.prompt_ids.shape[1]
+    with torch.set_grad_enabled(grad):
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       position_ids=batch.position_ids, use_cache=False).logits  # (B, L, V)
+        z = logits[:, p - 1 : -1].double() / temperature  # (B, T, V): position P+j-1 predicts token j
+        logsm = torch.log_softmax(z, dim=-1)
+        logp = logsm.gather(-1, batch.response_ids[..., None])[..., 0]
+        entropy = -(logsm.exp() * logsm).sum(-1)
+    mask = batch.response_mask.bool()
+    return logp * mask, entropy * mask, model
+
+
+@pytest.mark.parametrize("remove_padding", [False, True])
+def test_log_probs_and_entropy_match_full_softmax(tiny_model_path, remove_padding):
+    cfg = make_cfg(tiny_model_path, f"actor_rollout_ref.model.use_remove_padding={remove_padding}",
+                   "actor_rollout_ref.rollout.temperature=0.7")
+    worker = make_worker(cfg)
+    batch = make_batch(seed=0)
+    ref_logp, ref_entropy, _ = _reference_logp(tiny_model_path, batch, temperature=0.7)
+    logp, entropy = worker.actor.log_probs(batch, micro_size=3, max_tokens=None, with_entropy=True)
+    assert logp.dtype == torch.float32 and logp.shape == batch.response_ids.shape
+    torch.testing.assert_close(logp.double(), ref_logp, atol=LOGP_ATOL, rtol=0)
+    torch.testing.assert_close(entropy.double(), ref_entropy, atol=LOGP_ATOL, rtol=0)
+    assert bool((logp[~batch.response_mask.bool()] == 0).all())
+
+
+def test_remove_padding_equals_padded_and_micro_batching_is_invisible(tiny_model_path):
+    worker = make_worker(make_cfg(tiny_model_path))
+    batch = make_batch(seed=4)
+    actor = worker.actor
+    results = {}
+    for remove_padding in (False, True):
+        actor.remove_padding = remove_padding
+        for name, kwargs in {"8x1": dict(micro_size=8, max_tokens=None), "1x8": dict(micro_size=1, max_tokens=None),
+                             "dynamic": dict(micro_size=None, max_tokens=20)}.items():
+            results[(remove_padding, name)] = actor.log_probs(batch, with_entropy=False, **kwargs)[0]
+    base = results[(False, "8x1")]
+    for key, logp in results.items():
+        torch.testing.assert_close(logp, base, atol=LOGP_ATOL, rtol=0, msg=f"{key} differs from padded 8x1")
+
+
+def _ppo_batch(model_path, seed=0):
+    """A batch with old log-probs from the initial policy and per-response advantages."""
+    batch = make_batch(seed=seed)
+    old_logp, _, _ = _reference_logp(model_path, batch)
+    return batch.replace(old_logp=old_logp.float())
+
+
+def _actor_grads(worker, batch) -> dict[str, torch.Tensor]:
+    worker.actor.module.train()
+    worker.actor.backward_mini_batch(batch)
+    grads = {n: p.grad.full_tensor().clone() for n, p in worker.actor.module.hf.named_parameters()}
+    worker.actor.optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_gradients_match_plain_model_through_chunked_logprobs(tiny_model_path):
+    """Token-mean PPO loss at ratio 1: grad = -sum(A * dlogp) / tokens, checked on every parameter,
+    for the padded path, the packed path and gradient checkpointing."""
+    batch = _ppo_batch(tiny_model_path, seed=1)
+    ref_logp, _, model = _reference_logp(tiny_model_path, batch, grad=True)
+    mask = batch.response_mask.bool()
+    loss = -(batch.advantages.double() * ref_logp)[mask].sum() / mask.sum()
+    loss.backward()
+    expected = {n: p.grad.float() for n, p in model.named_parameters()}
+
+    variants = {
+        "padded": (),
+        "packed": ("actor_rollout_ref.model.use_remove_padding=True",),
+        "checkpointed": ("actor_rollout_ref.model.enable_gradient_checkpointing=True",),
+        "packed+checkpointed+micro1": ("actor_rollout_ref.model.use_remove_padding=True",
+                                      "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+                                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"),
+    }
+    for name, overrides in variants.items():
+        worker = make_worker(make_cfg(tiny_model_path, *overrides))
+        assert worker.actor.module.hf.is_gradient_checkpointing == ("checkpointed" in name)
+        grads = _actor_grads(worker, batch)
+        assert grads.keys() == expected.keys()
+        for n, g in grads.items():
+            torch.testing.assert_close(g, expected[n], atol=2e-6, rtol=1e-4, msg=f"{name}: grad of {n}")
+
+
+def test_update_is_invariant_to_micro_batching(tiny_model_path):
+    """One optimizer step: micro-batches 8x1 == 1x8 == token-budget packing (loss, metrics, weights)."""
+    batch = _ppo_batch(tiny_model_path, seed=2)
+    initial = None
+    runs = {}
+    for name, overrides in {
+        "8x1": ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",),
+        "1x8": ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",),
+        "dynamic": ("actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24"),
+        "dynamic+packed": ("actor_rollout_ref.actor.use_dynamic_bsz=True",
+                           "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24",
+                           "actor_rollout_ref.model.use_remove_padding=True"),
+    }.items():
+        worker = make_worker(make_cfg(tiny_model_path, *overrides, "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"))
+        if initial is None:
+            initial = full_weights(worker.actor.module.hf)
+        metrics = worker.update_actor(batch)
+        runs[name] = (metrics, full_weights(worker.actor.module.hf))
+    base_metrics, base_weights = runs["8x1"]
+    assert max_abs_diff(base_weights, initial) > 1e-4  # the step moved the weights
+    assert base_metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)  # old_logp is the current policy
+    for name, (metrics, weights) in runs.items():
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl"):
+            assert metrics[key] == pytest.approx(base_metrics[key], rel=1e-5, abs=1e-7), f"{name}: {key}"
+        # SGD-like first step (optim.eps=1): weight differences ~ lr x gradient rounding.
+        assert max_abs_diff(weights, base_weights) < 1e-7, name
+
+
+def test_kl_and_entropy_terms_and_metrics(tiny_model_path):
+    """pg_loss / kl_loss / entropy metrics equal the hand-computed mini-batch values."""
+    cfg = make_cfg(tiny_model_path, "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.5",
+                   "actor_rollout_ref.actor.kl_loss_type=mse", "actor_rollout_ref.actor.entropy_coeff=0.01",
+                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
+    worker = make_worker(cfg)
+    batch = _ppo_batch(tiny_model_path, seed=3)
+    ref_logp = batch.old_logp - 0.1 * batch.response_mask  # a reference 0.1 nats away on every token
+    batch = batch.replace(ref_logp=ref_logp)
+    logp, entropy, _ = _reference_logp(tiny_model_path, batch)
+    mask = batch.response_mask.bool()
+    n = mask.sum()
+    expected_pg = float(-(batch.advantages.double())[mask].sum() / n)  # ratio 1
+    expected_kl = float((0.5 * (logp - ref_logp.double()) ** 2)[mask].sum() / n)
+    expected_entropy = float(entropy[mask].sum() / n)
+    metrics = worker.update_actor(batch)
+    assert metrics["actor/pg_loss"] == pytest.approx(expected_pg, abs=1e-6)
+    assert metrics["actor/kl_loss"] == pytest.approx(expected_kl, rel=1e-4)
+    assert metrics["actor/entropy"] == pytest.approx(expected_entropy, rel=1e-5)
+    assert metrics["actor/lr"] == pytest.approx(0.01)
+    assert metrics["actor/skipped_steps"] == 0
+
+
+def test_non_finite_gradient_skips_the_step(tiny_model_path):
+    worker = make_worker(make_cfg(tiny_model_path))
+    batch = _ppo_batch(tiny_model_path, seed=5)
+    before = full_weights(worker.actor.module.hf)
+    advantages = batch.advantages.clone()
+    advantages[0, 0] = float("nan")  # a valid token of row 0
+    assert batch.response_mask[0, 0] == 1
+    metrics = worker.update_actor(batch.replace(advantages=advantages))
+    assert metrics["actor/skipped_steps"] == 1 and math.isnan(metrics["actor/grad_norm"])
+    assert max_abs_diff(full_weights(worker.actor.module.hf), before) == 0.0
+    assert all(p.grad is None for p in worker.actor.params)
+    assert not worker.actor.optimizer.state  # Adam moments were never touched
+    metrics = worker.update_actor(batch)  # the next finite step trains normally
+    assert metrics["actor/skipped_steps"] == 0 and math.isfinite(metrics["actor/grad_norm"])
+    assert max_abs_diff(full_weights(worker.actor.module.hf), before) > 1e-4
+
+
+def test_reference_is_built_only_with_a_kl_term(tiny_model_path, monkeypatch):
+    from grpo_npu.workers import hybrid
+
+    builds = []
+    real = hybrid.build_sharded
+
+    def counting(*args, **kwargs):
+        builds.append(kwargs["trainable"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hybrid, "build_sharded", counting)
+    worker = make_worker(make_cfg(tiny_model_path))
+    assert worker.ref is None and builds == [True]  # the actor only
+    with pytest.raises(RuntimeError, match="no ref.*no KL term"):
+        worker.compute_ref_log_prob(make_batch())
+    for kl_key in ("actor_rollout_ref.actor.use_kl_loss=True", "algorithm.use_kl_in_reward=True"):
+        builds.clear()
+        worker = make_worker(make_cfg(tiny_model_path, kl_key))
+        assert worker.ref is not None and builds == [True, False]
+        batch = make_batch(seed=6)
+        ref = worker.compute_ref_log_prob(batch)
+        old, _ = worker.compute_log_prob(batch)
+        torch.testing.assert_close(ref, old, atol=LOGP_ATOL, rtol=0)  # same checkpoint, same log-probs
+        assert not any(p.requires_grad for p in worker.ref.module.parameters())
+
+
+def test_compute_log_prob_reports_entropy_and_validates(tiny_model_path):
+    worker = make_worker(make_cfg(tiny_model_path))
+    batch = make_batch(seed=7)
+    logp, metrics = worker.compute_log_prob(batch)
+    _, entropy, _ = _reference_logp(tiny_model_path, batch)
+    mask = batch.response_mask.bool()
+    assert metrics["actor/entropy"] == pytest.approx(float(entropy[mask].mean()), rel=1e-5)
+    no_prompt = batch.replace(prompt_mask=batch.prompt_mask.clone())
+    no_prompt.prompt_mask[2] = 0
+    with pytest.raises(ValueError, match="row 2 has no prompt tokens"):
+        worker.compute_log_prob(no_prompt)
+    with pytest.raises(ValueError, match="needs old_logp and advantages"):
+        worker.update_actor(batch.replace(advantages=None))
+
+
+def test_state_dict_stream_and_hf_export(tiny_model_path, tmp_path):
+    worker = make_worker(make_cfg(tiny_model_path))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    expected = hf.state_dict()
+    streamed = dict(fsdp.iter_full_state_dict(worker.actor.module.hf))
+    assert list(streamed) == list(expected)  # HF names, lm_head.weight (tied) included
+    for name, tensor in streamed.items():
+        assert not isinstance(tensor, torch.distributed.tensor.DTensor)
+        torch.testing.assert_close(tensor, expected[name], atol=0, rtol=0, msg=name)
+    bf16 = dict(fsdp.iter_full_state_dict(worker.actor.module.hf, dtype=torch.bfloat16))
+    assert all(t.dtype == torch.bfloat16 for t in bf16.values())
+
+    out = tmp_path / "hf"
+    worker.update_actor(_ppo_batch(tiny_model_path, seed=8))  # export trained weights, not the checkpoint's
+    trained = full_weights(worker.actor.module.hf)
+    worker.export_hf(str(out))
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert not list(out.glob("*.tmp"))
+    reloaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+    assert max_abs_diff({k: v for k, v in reloaded.state_dict().items()}, trained) == 0.0
+
+
+def test_checkpoint_resume_equals_uninterrupted(tiny_model_path, tmp_path):
+    cfg = make_cfg(tiny_model_path, "actor_rollout_ref.actor.optim.warmup_style=cosine",
+                   "actor_rollout_ref.actor.optim.lr_warmup_steps=1")
+    b1, b2 = _ppo_batch(tiny_model_path, seed=9), _ppo_batch(tiny_model_path, seed=10)
+    a = make_worker(cfg)
+    a.update_actor(b1)
+    a.save_checkpoint(str(tmp_path), step=1)
+    m_a = a.update_actor(b2)
+    b = make_worker(cfg)
+    assert b.load_checkpoint(str(tmp_path)) == 1
+    m_b = b.update_actor(b2)
+    assert m_b["actor/lr"] == m_a["actor/lr"] > 0  # the scheduler resumed after its warmup step
+    assert m_b["actor/pg_loss"] == m_a["actor/pg_loss"]
+    assert max_abs_diff(full_weights(a.actor.module.hf), full_weights(b.actor.module.hf)) == 0.0
+    assert len(a.actor.optimizer.state) == len(b.actor.optimizer.state) > 0
+    with pytest.raises(FileNotFoundError, match="no dcp"):
+        b.load_checkpoint(str(tmp_path / "missing"))
