@@ -25,7 +25,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
-DATA_SOURCE_KEY = "data_source"  # the reward dispatch key: every row needs one
 
 
 @dataclass
@@ -37,6 +36,7 @@ class PromptItem:
     position_ids: torch.Tensor  # (L,) long, 0 on the padding, then 0, 1, 2, ...
     raw_prompt_ids: list[int]  # the unpadded (possibly truncated) prompt, for the rollout engine
     raw_prompt: list[dict] | None  # the chat messages, when return_raw_chat
+    full_prompt: str | None  # the templated prompt text, when return_full_prompt
     data_source: str
     ground_truth: Any  # reward_model.ground_truth, None when the data has no reward_model
     extra_info: dict
@@ -52,6 +52,7 @@ class PromptBatch:
     position_ids: torch.Tensor  # (B, L)
     raw_prompt_ids: list[list[int]]
     raw_prompts: list[list[dict]] | None
+    full_prompts: list[str] | None
     data_sources: list[str]
     ground_truths: list[Any]
     extra_infos: list[dict]
@@ -126,6 +127,8 @@ class RLDataset:
         truncation: str = "error",
         filter_overlong_prompts: bool = True,
         return_raw_chat: bool = False,
+        return_full_prompt: bool = False,
+        reward_fn_key: str = "data_source",
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r}; expected one of {TRUNCATION_MODES}")
@@ -139,10 +142,12 @@ class RLDataset:
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
         self.return_raw_chat = return_raw_chat
+        self.return_full_prompt = return_full_prompt
+        self.reward_fn_key = reward_fn_key
 
         rows, origins = self._read_rows()
         messages = [_check_chat(row[prompt_key], where, prompt_key) for row, where in zip(rows, origins)]
-        token_ids = self._tokenize(messages)
+        texts, token_ids = self._tokenize(messages)
 
         lengths = np.array([len(ids) for ids in token_ids])
         overlong = np.flatnonzero(lengths > max_prompt_length)
@@ -172,7 +177,8 @@ class RLDataset:
         self._indices = [int(i) for i in keep]
         self._token_ids = [truncate(token_ids[i], max_prompt_length, truncation) for i in keep]
         self._messages = [messages[i] for i in keep]
-        self._data_sources = [rows[i][DATA_SOURCE_KEY] for i in keep]
+        self._texts = [texts[i] for i in keep] if return_full_prompt else None
+        self._data_sources = [rows[i][reward_fn_key] for i in keep]
         self._ground_truths = [(rows[i].get("reward_model") or {}).get("ground_truth") for i in keep]
         self._extra_infos = [rows[i].get("extra_info") or {} for i in keep]
 
@@ -186,13 +192,9 @@ class RLDataset:
                 table = pq.read_table(path)
             except Exception as err:
                 raise ValueError(f"cannot read {path} as parquet: {err}") from err
-            for column in (self.prompt_key, DATA_SOURCE_KEY):
+            for column, key in ((self.prompt_key, "data.prompt_key"), (self.reward_fn_key, "data.reward_fn_key")):
                 if column not in table.column_names:
-                    raise ValueError(
-                        f"{path} has no {column!r} column"
-                        + (" (data.prompt_key)" if column == self.prompt_key else " (needed to pick the reward function)")
-                        + f"; its columns are {table.column_names}"
-                    )
+                    raise ValueError(f"{path} has no {column!r} column ({key}); its columns are {table.column_names}")
             file_rows = table.to_pylist()
             rows += file_rows
             origins += [f"{path} row {k}" for k in range(len(file_rows))]
@@ -200,12 +202,12 @@ class RLDataset:
             raise ValueError(f"the data files {[str(f) for f in self.files]} hold no rows")
         return rows, origins
 
-    def _tokenize(self, messages: list[list[dict]]) -> list[list[int]]:
+    def _tokenize(self, messages: list[list[dict]]) -> tuple[list[str], list[list[int]]]:
         """Render every conversation with the chat template and tokenize them in one batch."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template; RL prompts are chat lists and need one")
         texts = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        return texts, self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
 
     def __len__(self) -> int:
         return len(self._token_ids)
@@ -219,6 +221,7 @@ class RLDataset:
             position_ids=position_ids,
             raw_prompt_ids=list(ids),
             raw_prompt=self._messages[i] if self.return_raw_chat else None,
+            full_prompt=self._texts[i] if self._texts is not None else None,
             data_source=self._data_sources[i],
             ground_truth=self._ground_truths[i],
             extra_info=self._extra_infos[i],
@@ -231,12 +234,14 @@ def collate(items: Sequence[PromptItem]) -> PromptBatch:
     if not items:
         raise ValueError("cannot collate an empty list of prompts")
     raw = [it.raw_prompt for it in items]
+    full = [it.full_prompt for it in items]
     return PromptBatch(
         input_ids=torch.stack([it.input_ids for it in items]),
         attention_mask=torch.stack([it.attention_mask for it in items]),
         position_ids=torch.stack([it.position_ids for it in items]),
         raw_prompt_ids=[it.raw_prompt_ids for it in items],
         raw_prompts=None if any(r is None for r in raw) else raw,
+        full_prompts=None if any(f is None for f in full) else full,
         data_sources=[it.data_source for it in items],
         ground_truths=[it.ground_truth for it in items],
         extra_infos=[it.extra_info for it in items],
@@ -247,9 +252,10 @@ def collate(items: Sequence[PromptItem]) -> PromptBatch:
 class PromptLoader:
     """Batches of a dataset in a seeded per-epoch order, resumable from ``state_dict()``.
 
-    Iterating yields the remaining batches of the current epoch, then moves to the next epoch, so
-    ``for epoch in ...: for batch in loader:`` walks the data as a DataLoader would. ``batch_size=None``
-    gives the whole dataset as one batch (validation).
+    Iterating yields the remaining batches of the current epoch, so ``for epoch in ...: for batch in
+    loader:`` walks the data as a DataLoader would; ``next_batch()`` serves loops that count steps
+    (DAPO's generation rounds) and crosses epochs by itself. ``batch_size=None`` gives the whole
+    dataset as one batch (validation).
     """
 
     def __init__(
@@ -274,7 +280,8 @@ class PromptLoader:
                 "(drop_last): lower data.train_batch_size or add data"
             )
         self.epoch = 0
-        self.position = 0  # batches of this epoch already yielded
+        self.position = 0  # batches of this epoch already handed out
+        self._order, self._order_epoch = None, None  # the permutation of the epoch in progress
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -288,15 +295,25 @@ class PromptLoader:
             return np.arange(n)
         return np.random.default_rng([self.seed, epoch]).permutation(n)
 
+    def next_batch(self) -> PromptBatch:
+        """The next batch, moving on to the next epoch when this one is spent."""
+        if self.position >= len(self):
+            self.epoch += 1
+            self.position = 0
+        if self._order_epoch != self.epoch:
+            self._order, self._order_epoch = self.order(self.epoch), self.epoch
+        start = self.position * self.batch_size
+        idx = self._order[start:start + self.batch_size]
+        self.position += 1  # counted before returning: a checkpoint taken now resumes after this batch
+        return collate([self.dataset[int(i)] for i in idx])
+
     def __iter__(self) -> Iterator[PromptBatch]:
-        order = self.order(self.epoch)
+        """The rest of the current epoch (a whole new one if the current one is spent)."""
+        if self.position >= len(self):
+            self.epoch += 1
+            self.position = 0
         while self.position < len(self):
-            start = self.position * self.batch_size
-            idx = order[start:start + self.batch_size]
-            self.position += 1  # counted before yielding: a checkpoint taken now resumes after this batch
-            yield collate([self.dataset[int(i)] for i in idx])
-        self.epoch += 1
-        self.position = 0
+            yield self.next_batch()
 
     def state_dict(self) -> dict:
         return {

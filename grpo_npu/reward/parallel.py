@@ -20,11 +20,13 @@ from typing import Any, Callable, Sequence
 
 logger = logging.getLogger(__name__)
 
-# Auto mode. Measured on a 2-core CPU (spawned pool of 2, gsm8k-length texts; numbers in the
-# project report): shipping a row to a worker and back costs ~15 us and a dispatch ~3 ms, so a pool
-# only wins when one row costs clearly more than that and the batch is long enough to amortise it.
+# Auto mode. Measured on the 2-core dev box under load (spawned pool of 2, gsm8k-length texts): the
+# gsm8k scorer costs ~4.6 us a row (4096 rows: 18.8 ms in-process, 16.5 ms in the pool: a wash); a
+# pool round trip adds ~1-4 us a row plus ~1 ms a dispatch, and with other processes on the cores
+# a pool of 2 only won reliably at >= 500 us a row (1.7-1.8x). On an idle many-core host it pays sooner;
+# these thresholds stay conservative because the trainer shares the host's cores.
 PROBE_ROWS = 64  # rows scored in-process first, to time the scorer
-POOL_MIN_ROW_SECONDS = 100e-6  # below this per-row cost IPC eats the gain (the gsm8k regex: ~5 us)
+POOL_MIN_ROW_SECONDS = 250e-6  # below this per-row cost IPC and contention ate the gain (100-200 us: 0.7-1.3x)
 POOL_MIN_BATCH_SECONDS = 0.05  # below this estimated in-process time a dispatch is not worth it
 MAX_AUTO_WORKERS = 16
 CHUNKS_PER_WORKER = 4  # a few chunks per worker even out uneven row costs

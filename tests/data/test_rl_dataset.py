@@ -78,14 +78,20 @@ def test_collate_stacks_and_keeps_metadata(tiny_tokenizer, parquet):
         collate([])
 
 
-def test_several_files_and_a_custom_prompt_key(tiny_tokenizer, tmp_path):
+def test_several_files_and_custom_keys(tiny_tokenizer, tmp_path):
     rows = _rows(5)
     for r in rows:
         r["question_chat"] = r.pop("prompt")
+        r["source"] = "src-" + r["extra_info"]["split"]
     a = write_parquet_atomic(rows[:2], tmp_path / "a.parquet")
     b = write_parquet_atomic(rows[2:], tmp_path / "b.parquet")
-    ds = RLDataset([str(a), b], tiny_tokenizer, prompt_key="question_chat", max_prompt_length=256)
+    ds = RLDataset([str(a), b], tiny_tokenizer, prompt_key="question_chat", max_prompt_length=256,
+                   reward_fn_key="source", return_full_prompt=True)
     assert [ds[i].ground_truth for i in range(len(ds))] == ["0", "1", "2", "3", "4"]
+    assert ds[0].data_source == "src-train"
+    assert ds[0].full_prompt == tiny_tokenizer.apply_chat_template(rows[0]["question_chat"], add_generation_prompt=True,
+                                                                   tokenize=False)
+    assert collate([ds[0], ds[1]]).full_prompts == [ds[0].full_prompt, ds[1].full_prompt]
     assert [ds[i].index for i in range(len(ds))] == [0, 1, 2, 3, 4]
 
 
@@ -157,7 +163,7 @@ def test_bad_inputs_give_clear_errors(tiny_tokenizer, parquet, tmp_path):
         RLDataset(good, tiny_tokenizer, prompt_key="messages")
 
     no_source = [{k: v for k, v in r.items() if k != "data_source"} for r in _rows(2)]
-    with pytest.raises(ValueError, match="no 'data_source' column"):
+    with pytest.raises(ValueError, match=r"no 'data_source' column \(data.reward_fn_key\)"):
         RLDataset(parquet(no_source, "ns.parquet"), tiny_tokenizer)
 
     empty = tmp_path / "empty.parquet"
@@ -206,7 +212,7 @@ def test_loader_epochs_are_seeded_permutations(small_ds):
     assert len(loader) == 3
     epoch0 = [b.indices for b in loader]
     epoch1 = [b.indices for b in loader]
-    assert loader.epoch == 2
+    assert (loader.epoch, loader.position) == (1, 3)  # epoch 1 is spent; the next walk starts epoch 2
     for epoch in (epoch0, epoch1):
         flat = [i for b in epoch for i in b]
         assert len(flat) == 9 and len(set(flat)) == 9  # drop_last: one prompt left out
@@ -235,6 +241,19 @@ def test_resume_gives_the_same_batches(small_ds, stop_after):
     resumed = PromptLoader(small_ds, 3, seed=3)
     resumed.load_state_dict(state)
     assert seen + _walk(resumed, 10 - stop_after) == reference
+
+
+def test_stopping_at_an_epoch_end_and_next_batch(small_ds):
+    reference = _walk(PromptLoader(small_ds, 3, seed=5), 9)
+    loader = PromptLoader(small_ds, 3, seed=5)
+    first = []
+    for batch in loader:
+        first.append(batch.indices)
+        if len(first) == 3:
+            break  # stopped right after the epoch's last batch, before the generator finished
+    assert [b.indices for b in loader] == reference[3:6]  # a whole next epoch, not an empty one
+    stepper = PromptLoader(small_ds, 3, seed=5)
+    assert [stepper.next_batch().indices for _ in range(9)] == reference
 
 
 def test_state_from_another_setup_is_refused(small_ds):

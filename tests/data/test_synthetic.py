@@ -94,7 +94,9 @@ def test_own_data_source_and_no_sft(tmp_path):
 
 def test_difficulty_grows(tmp_path):
     mean_answer = {d: sum(p.answer for p in synthetic.make_problems(400, d, 0, "x")) / 400 for d in synthetic.LEVELS}
-    assert mean_answer[1] < mean_answer[2] < mean_answer[4] < mean_answer[5]
+    assert mean_answer[1] < mean_answer[2] < mean_answer[3] < mean_answer[5] < mean_answer[6]
+    assert [synthetic.LEVELS[d].num_operands for d in sorted(synthetic.LEVELS)] == sorted(
+        synthetic.LEVELS[d].num_operands for d in synthetic.LEVELS)
 
 
 def test_errors(tmp_path, monkeypatch):
