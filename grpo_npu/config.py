@@ -79,6 +79,8 @@ class DataConfig:
     """Parquet file(s) of validation prompts (a single path or a list)."""
     prompt_key: str = "prompt"
     """Column holding the chat-format prompt (a list of {role, content} messages)."""
+    response_key: str = "response"
+    """SFT (main_sft): column holding the target response text."""
     reward_fn_key: str = "data_source"
     """Column used to pick the reward function."""
     max_prompt_length: int = 512

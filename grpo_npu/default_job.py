@@ -1,0 +1,98 @@
+"""The embedded default job: what ``python -m grpo_npu.main_ppo`` runs with no arguments.
+
+1. the offline tiny Qwen2 + tokenizer (:mod:`grpo_npu.models.tiny`);
+2. the synthetic arithmetic task in the gsm8k schema (:mod:`grpo_npu.data.synthetic`);
+3. an SFT warm start of the tiny model on worked solutions, cached after the first run
+   (RL from random weights cannot learn: the model must first produce "#### <n>" answers);
+4. GRPO with a low_var_kl KL loss on the same task, through the same trainer, workers, rollout and
+   reward code as a real run, validating greedily before training and at the end.
+
+Everything lives under ``$GRPO_NPU_CACHE/default_job`` (default ``~/.cache/grpo_npu/default_job``);
+``GRPO_NPU_DEFAULT_RUN_DIR`` moves the GRPO run directory (metrics.jsonl, plots, checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from grpo_npu.models.tiny import build_tiny_model, default_cache_dir
+
+log = logging.getLogger(__name__)
+
+DIFFICULTY = 1  # single-digit addition: a ~1M-parameter model learns it on two cores in minutes
+TRAIN_SIZE, TEST_SIZE, SFT_SIZE = 2048, 128, 512
+SFT_STEPS = 40  # deliberately short: leaves headroom that RL then closes
+SFT_OVERRIDES = [
+    "data.train_batch_size=32", "data.max_prompt_length=64", "data.max_response_length=48",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+    "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.optim.weight_decay=0.0",
+    "actor_rollout_ref.actor.grad_clip=1.0", "critic.enable=False", "trainer.device=cpu", "trainer.n_gpus_per_node=1",
+    "trainer.project_name=grpo_npu_default", "trainer.experiment_name=sft", "trainer.logger=['jsonl']",
+    f"trainer.total_training_steps={SFT_STEPS}",
+]
+
+
+def grpo_overrides(model: str, data: Path, run_dir: Path, rollout: str) -> list[str]:
+    return [
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
+        "data.train_batch_size=16", "data.max_prompt_length=64", "data.max_response_length=24",
+        f"actor_rollout_ref.model.path={model}",
+        "actor_rollout_ref.actor.optim.lr=1e-4", "actor_rollout_ref.actor.optim.weight_decay=0.0",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64",
+        "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0.0",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        f"actor_rollout_ref.rollout.name={rollout}", "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.load_format=dummy",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=64",
+        "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
+        "trainer.project_name=grpo_npu_default", "trainer.experiment_name=tiny_grpo",
+        f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable",
+        "trainer.total_training_steps=30", "trainer.test_freq=10", "trainer.save_freq=-1",
+        "trainer.val_before_train=True", "trainer.logger=['console','jsonl']", "trainer.log_val_generations=2",
+    ]
+
+
+def _vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means: use the transformers rollout
+        return False
+    return True
+
+
+def prepare(cache_dir: str | os.PathLike | None = None, rollout: str | None = None) -> list[str]:
+    """Build (or reuse) model, data and SFT warm start; return the GRPO command line."""
+    from grpo_npu.data.synthetic import write_synthetic
+
+    root = Path(cache_dir) if cache_dir else default_cache_dir() / "default_job"
+    root.mkdir(parents=True, exist_ok=True)
+    base = build_tiny_model(root)
+    data = root / f"data-d{DIFFICULTY}"
+    if not (data / "test.parquet").exists():
+        write_synthetic(str(data), train_size=TRAIN_SIZE, test_size=TEST_SIZE, sft_size=SFT_SIZE,
+                        difficulty=DIFFICULTY, seed=0)
+    sft = root / "tiny-sft"
+    stamp = json.dumps({"base": str(base), "steps": SFT_STEPS, "overrides": SFT_OVERRIDES, "difficulty": DIFFICULTY})
+    if not (sft / "SFT_DONE").exists() or (sft / "SFT_DONE").read_text() != stamp:
+        log.info("default job: SFT warm start of the tiny model (first run only, about a minute)")
+        from grpo_npu.config import load_config
+        from grpo_npu.sft import run_sft
+
+        shutil.rmtree(sft, ignore_errors=True)
+        cfg = load_config(SFT_OVERRIDES + [f"actor_rollout_ref.model.path={base}",
+                                           f"data.train_files={data / 'sft_train.parquet'}",
+                                           f"trainer.default_local_dir={root / 'sft_run'}"])
+        tmp = root / "tiny-sft.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        run_sft(cfg, export_dir=str(tmp))
+        (tmp / "SFT_DONE").write_text(stamp)
+        os.replace(tmp, sft)
+    run_dir = Path(os.environ.get("GRPO_NPU_DEFAULT_RUN_DIR") or root / "runs" / "tiny_grpo")
+    return grpo_overrides(str(sft), data, run_dir, rollout or ("vllm" if _vllm_available() else "hf"))

@@ -1,0 +1,485 @@
+"""The RL loop: rollout -> reward -> [dynamic sampling] -> log-probs -> advantages -> update -> log.
+
+``Trainer.fit()`` reads like the algorithm; each phase is a named method. The driver holds no model
+weights: every model lives in the workers (``grpo_npu.workers``), which the trainer drives through a
+worker group with the same calls whether the group is in-process or a set of Ray actors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from grpo_npu import config as C
+from grpo_npu.algo.advantages import compute_advantage
+from grpo_npu.algo.dapo import filter_groups
+from grpo_npu.algo.kl import apply_kl_in_reward, make_kl_controller
+from grpo_npu.batch import RolloutBatch
+from grpo_npu.checkpoint import CheckpointManager
+from grpo_npu.data.rl_dataset import PromptBatch, PromptLoader, RLDataset
+from grpo_npu.device import get_device
+from grpo_npu.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics
+from grpo_npu.reward.manager import get_reward_manager
+from grpo_npu.reward.score import make_compute_score
+from grpo_npu.rollout.base import SamplingConfig
+from grpo_npu.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+TRAINER_STATE = "trainer_state.pt"
+# Seeds of step s are base + s * SEED_STRIDE (+ rank inside the workers): a resumed run samples
+# exactly what the uninterrupted run sampled, with no RNG state to carry.
+SEED_STRIDE = 10_007
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped itself (too many consecutive bad steps); a checkpoint of the last good state exists."""
+
+
+class Timer:
+    """Named wall-clock sections of one step: ``with timer("gen"): ...`` -> {"gen": seconds}."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+
+class StopRequest:
+    """SIGINT/SIGTERM set a flag; the loop finishes the step, checkpoints and exits cleanly."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopRequest":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: no handlers, no graceful stop
+                pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # a second Ctrl-C means now
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        log.warning("%s received: finishing this step, saving a checkpoint, then stopping", self.requested)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def load_tokenizer(cfg: C.Config):
+    from transformers import AutoTokenizer
+
+    model = cfg.actor_rollout_ref.model
+    path = cfg.data.tokenizer or model.tokenizer_path or model.path
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.data.trust_remote_code or model.trust_remote_code)
+    if model.custom_chat_template:
+        tok.chat_template = model.custom_chat_template
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def balance_order(lengths: list[int], parts: int) -> list[int]:
+    """A row order whose ``parts`` equal consecutive chunks have similar token totals (greedy LPT)."""
+    size = len(lengths) // parts
+    bins: list[list[int]] = [[] for _ in range(parts)]
+    totals = [0] * parts
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        open_bins = [b for b in range(parts) if len(bins[b]) < size]
+        b = min(open_bins, key=lambda b: totals[b])
+        bins[b].append(i)
+        totals[b] += lengths[i]
+    return [i for b in bins for i in sorted(b)]
+
+
+class Trainer:
+    """GRPO / DAPO / PPO (and RLOO, REINFORCE++, Dr.GRPO, GSPO through the registries)."""
+
+    def __init__(self, cfg: C.Config, workers=None) -> None:
+        from grpo_npu.cluster import Workers
+
+        self.cfg = cfg
+        t = cfg.trainer
+        self.device = get_device(t.device)
+        self.world_size = t.nnodes * t.n_gpus_per_node
+        self.derived = C.derive(cfg, self.world_size)
+        self.run_dir = Path(t.default_local_dir)
+        self._log_doctor()
+
+        self.tokenizer = load_tokenizer(cfg)
+        self.train_set = self._dataset(cfg.data.train_files)
+        self.loader = PromptLoader(self.train_set, self.derived.gen_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+        self.val_set = self._dataset(cfg.data.val_files) if cfg.data.val_files else None
+        self.total_steps = t.total_training_steps or len(self.loader) * t.total_epochs
+
+        compute_score = make_compute_score(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
+                                           dict(cfg.reward_model.reward_kwargs))
+        ob = cfg.reward_model.overlong_buffer
+        self.reward_fn = get_reward_manager(
+            cfg.reward_model.reward_manager, tokenizer=self.tokenizer, compute_score=compute_score,
+            num_workers=cfg.reward_model.num_workers, max_response_length=self.derived.response_length,
+            overlong_buffer_enable=ob.enable, overlong_buffer_len=ob.len, overlong_penalty_factor=ob.penalty_factor)
+        self.val_reward_fn = get_reward_manager("naive", tokenizer=self.tokenizer, compute_score=compute_score,
+                                                num_workers=cfg.reward_model.num_workers)
+        kc = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = make_kl_controller(kc.type, kl_coef=kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon)
+
+        self.workers = workers if workers is not None else Workers.build(cfg, total_training_steps=self.total_steps)
+        self.ckpt = CheckpointManager(self.run_dir, max_to_keep=t.max_actor_ckpt_to_keep)
+        self.tracker = Tracker(self.run_dir, tuple(t.logger), project=t.project_name, experiment=t.experiment_name,
+                               config_dict=C.to_dict(cfg), total_steps=self.total_steps)
+        self.global_step = 0
+        self.bad_steps = 0
+        self._batches = iter(())
+
+    # ------------------------------------------------------------------------------------------
+    # The loop
+    # ------------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        """Train to total_steps; returns the last step's metrics."""
+        t = self.cfg.trainer
+        self._resume()
+        last: dict[str, float] = {}
+        if t.val_before_train and self.val_set is not None:
+            last = self.validate()
+            self.tracker.log(last, step=self.global_step)
+        if t.val_only:
+            return last
+        with StopRequest() as stop:
+            while self.global_step < self.total_steps:
+                step = self.global_step + 1
+                timer = Timer()
+                with timer("step"):
+                    batch, metrics = self.rollout_and_reward(step, timer)
+                    if not self._finite_rewards(batch):
+                        self._bad_step(step, "non-finite rewards")
+                        continue
+                    batch, model_metrics = self.score_with_models(batch, timer)
+                    metrics.update(model_metrics)
+                    batch, adv_metrics = self.advantages(batch, timer)
+                    metrics.update(adv_metrics)
+                    metrics.update(self.update(batch, step, timer))
+                if not self._finite(metrics):
+                    self._bad_step(step, "non-finite loss or gradient")
+                    continue
+                self.bad_steps = 0
+                self.global_step = step
+                metrics.update(self._step_metrics(batch, timer))
+                if t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps) and self.val_set is not None:
+                    with timer("testing"):
+                        metrics.update(self.validate())
+                    metrics["timing_s/testing"] = timer.seconds["testing"]
+                if (t.save_freq > 0 and step % t.save_freq == 0) or step == self.total_steps or stop.requested:
+                    metrics["timing_s/save_checkpoint"] = self.save_checkpoint()
+                self.tracker.log(metrics, step=step)
+                self._dump_rollout(batch, step)
+                last = metrics
+                if stop.requested:
+                    log.warning("stopped by %s after step %d; resume with trainer.resume_mode=auto", stop.requested, step)
+                    break
+        return last
+
+    # ------------------------------------------------------------------------------------------
+    # Phases
+    # ------------------------------------------------------------------------------------------
+    def rollout_and_reward(self, step: int, timer: Timer) -> tuple[RolloutBatch, dict[str, float]]:
+        """Generate n responses per prompt and score them; DAPO keeps generating until enough groups vary."""
+        fg = self.cfg.algorithm.filter_groups
+        want = self.cfg.data.train_batch_size
+        kept: list[RolloutBatch] = []
+        metrics: dict[str, float] = {}
+        num_prompts = num_gen = 0
+        while True:
+            num_gen += 1
+            prompts = self._next_prompts()
+            with timer("gen"):
+                batch, gen_metrics = self.generate(prompts, self.train_sampling(step, num_gen), uid_prefix=f"s{step}g{num_gen}")
+            metrics.update(gen_metrics)
+            with timer("reward"):
+                batch = self.reward(batch, self.reward_fn)
+            if not fg.enable:
+                return batch, metrics
+            keep = filter_groups(batch.token_level_scores.sum(-1), batch.uid, self._filter_metric(batch, fg.metric))
+            batch = batch.select(keep)
+            kept.append(batch)
+            num_prompts += len(set(batch.uid))
+            if num_prompts >= want:
+                full = RolloutBatch.concat(kept)
+                full = full.select(list(range(want * self.derived.n)))
+                metrics["train/num_gen_batches"] = float(num_gen)
+                return full, metrics
+            if fg.max_num_gen_batches and num_gen >= fg.max_num_gen_batches:
+                raise RuntimeError(
+                    f"dynamic sampling: after {num_gen} generation batches only {num_prompts} of {want} prompts have "
+                    f"groups with varying {fg.metric} (algorithm.filter_groups.max_num_gen_batches="
+                    f"{fg.max_num_gen_batches}); raise it (0 = unlimited) or make the task less saturated")
+            log.info("dynamic sampling: %d/%d prompts kept after %d batches; generating more", num_prompts, want, num_gen)
+
+    def generate(self, prompts: PromptBatch, sampling: SamplingConfig, uid_prefix: str) -> tuple[RolloutBatch, dict]:
+        """B prompts -> B*n responses (rows i*n..i*n+n-1 answer prompt i), spread over the ranks."""
+        n = sampling.n
+        B = len(prompts)
+        ids, mask = prompts.input_ids, prompts.attention_mask
+        if B % self.world_size:  # too few prompts to split: repeat them and sample once each
+            ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+            sampling = SamplingConfig(**{**sampling.__dict__, "n": 1})
+        outs = self.workers.generate(ids, mask, sampling)
+        response_ids = _cat_right_padded([o.response_ids for o in outs], self.tokenizer.pad_token_id)
+        response_mask = _cat_right_padded([o.response_mask for o in outs], 0)
+        rollout_logp = None
+        if all(o.logprobs is not None for o in outs):
+            rollout_logp = _cat_right_padded([o.logprobs for o in outs], 0.0)
+        rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+        batch = RolloutBatch(
+            prompt_ids=prompts.input_ids.repeat_interleave(n, 0),
+            prompt_mask=prompts.attention_mask.repeat_interleave(n, 0),
+            response_ids=response_ids,
+            response_mask=response_mask,
+            uid=rep([f"{uid_prefix}-{i}" for i in prompts.indices]),
+            data_source=rep(prompts.data_sources),
+            ground_truth=rep(prompts.ground_truths),
+            extra_info=rep(prompts.extra_infos),
+            stop_reason=[r for o in outs for r in o.stop_reason],
+            rollout_logp=rollout_logp,
+        )
+        return batch, reduce_metrics([o.metrics for o in outs])
+
+    def reward(self, batch: RolloutBatch, reward_fn) -> RolloutBatch:
+        out = reward_fn(batch.response_ids, batch.response_mask, batch.data_source, batch.ground_truth, batch.extra_info)
+        return batch.replace(token_level_scores=out.token_level_scores, reward_extra=out.extra)
+
+    def score_with_models(self, batch: RolloutBatch, timer: Timer) -> tuple[RolloutBatch, dict[str, float]]:
+        """Old log-probs (actor), reference log-probs and values, on balanced rank shards."""
+        if self.cfg.trainer.balance_batch:
+            order = balance_order((batch.prompt_lengths + batch.response_lengths).tolist(), self.world_size)
+            batch = batch.select(order)
+        with timer("old_log_prob"):
+            old_logp, metrics = self.workers.compute_log_prob(batch)
+            batch = batch.replace(old_logp=old_logp)
+        if self.derived.use_reference:
+            with timer("ref"):
+                batch = batch.replace(ref_logp=self.workers.compute_ref_log_prob(batch))
+        if self.derived.use_critic:
+            with timer("values"):
+                batch = batch.replace(values=self.workers.compute_values(batch))
+        return batch, metrics
+
+    def advantages(self, batch: RolloutBatch, timer: Timer) -> tuple[RolloutBatch, dict[str, float]]:
+        alg = self.cfg.algorithm
+        metrics: dict[str, float] = {}
+        with timer("adv"):
+            rewards = batch.token_level_scores
+            if alg.use_kl_in_reward:
+                rewards, kl_metrics = apply_kl_in_reward(batch.token_level_scores, batch.old_logp, batch.ref_logp,
+                                                         batch.response_mask, self.kl_ctrl, alg.kl_penalty)
+                metrics.update({k: float(v) for k, v in kl_metrics.items()})
+                self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=len(batch))
+            adv, ret = compute_advantage(
+                alg.adv_estimator, token_level_rewards=rewards, response_mask=batch.response_mask,
+                group_ids=batch.uid, values=batch.values, gamma=alg.gamma, lam=alg.lam,
+                norm_by_std=alg.norm_adv_by_std_in_grpo)
+        return batch.replace(token_level_rewards=rewards, advantages=adv, returns=ret), metrics
+
+    def update(self, batch: RolloutBatch, step: int, timer: Timer) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        if self.derived.use_critic:
+            with timer("update_critic"):
+                metrics.update(self.workers.update_critic(batch))
+        if step > self.cfg.trainer.critic_warmup:
+            with timer("update_actor"):
+                metrics.update(self.workers.update_actor(batch))
+        if batch.rollout_logp is not None:
+            from grpo_npu.rollout import logp_diff_metrics
+
+            metrics.update({k: float(v) for k, v in
+                            logp_diff_metrics(batch.rollout_logp, batch.old_logp, batch.response_mask).items()})
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """Generate on the validation set with val_kwargs; val-core/<data_source>/reward/mean@N."""
+        vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
+        sampling = SamplingConfig(n=vk.n, temperature=vk.temperature, top_p=vk.top_p, top_k=vk.top_k,
+                                  do_sample=vk.do_sample, max_new_tokens=self.derived.response_length,
+                                  seed=self.cfg.actor_rollout_ref.rollout.seed)
+        loader = PromptLoader(self.val_set, self._val_batch_size(), shuffle=False, drop_last=False)
+        scores: dict[str, list[float]] = defaultdict(list)
+        samples = []
+        for prompts in loader:
+            batch, _ = self.generate(prompts, sampling, uid_prefix="val")
+            batch = self.reward(batch, self.val_reward_fn)
+            for source, extra in zip(batch.data_source, batch.reward_extra):
+                scores[source].append(float(extra["score"]))
+            if len(samples) < self.cfg.trainer.log_val_generations:
+                samples += self._samples(batch, self.cfg.trainer.log_val_generations - len(samples))
+        for s in samples:
+            log.info("val sample (score %.2f)\n  prompt: %s\n  response: %s", s["score"], s["prompt"][-200:], s["response"])
+        if self.cfg.trainer.validation_data_dir:
+            _write_jsonl(Path(self.cfg.trainer.validation_data_dir) / f"val_step_{self.global_step}.jsonl", samples)
+        return {f"val-core/{src}/reward/mean@{vk.n}": sum(v) / len(v) for src, v in scores.items()}
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints
+    # ------------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> float:
+        start = time.perf_counter()
+        step = self.global_step
+        tmp = self.ckpt.begin(step)
+        try:
+            self.workers.save_checkpoint(str(tmp), step)  # per-rank shards (+ an HF export if hf_model)
+            torch.save({
+                "global_step": step,
+                "loader": self.loader.state_dict(),
+                "kl_ctrl": self.kl_ctrl.state_dict(),
+                "rng": self.device.get_rng_state(),
+            }, tmp / TRAINER_STATE)
+        except BaseException:
+            self.ckpt.abort(tmp)
+            raise
+        self.ckpt.commit(step, tmp)
+        log.info("saved checkpoint global_step_%d", step)
+        return time.perf_counter() - start
+
+    def _resume(self) -> None:
+        t = self.cfg.trainer
+        found = self.ckpt.resolve_resume(t.resume_mode, t.resume_from_path)
+        if found is None:
+            return
+        step, path = found
+        state = torch.load(Path(path) / TRAINER_STATE, weights_only=False)
+        self.workers.load_checkpoint(str(path))
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.device.set_rng_state(state["rng"])
+        self.global_step = int(state["global_step"])
+        self.tracker.truncate_after(self.global_step)
+        log.info("resumed from %s (step %d)", path, self.global_step)
+
+    # ------------------------------------------------------------------------------------------
+    # Helpers
+    # ------------------------------------------------------------------------------------------
+    def train_sampling(self, step: int, attempt: int) -> SamplingConfig:
+        r = self.cfg.actor_rollout_ref.rollout
+        return SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, do_sample=r.do_sample,
+                              max_new_tokens=self.derived.response_length, ignore_eos=r.ignore_eos,
+                              seed=r.seed + step * SEED_STRIDE + attempt, return_logprobs=r.calculate_log_probs)
+
+    def _next_prompts(self) -> PromptBatch:
+        for prompts in self._batches:
+            return prompts
+        self._batches = iter(self.loader)  # next epoch (the loader tracks epoch and position)
+        return next(self._batches)
+
+    def _dataset(self, files) -> RLDataset:
+        d = self.cfg.data
+        return RLDataset(list(files), self.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+                         truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
+                         return_raw_chat=d.return_raw_chat)
+
+    def _val_batch_size(self) -> int | None:
+        size = self.cfg.data.val_batch_size
+        if size is None:
+            size = len(self.val_set)
+        return max(self.world_size, size - size % self.world_size)
+
+    def _filter_metric(self, batch: RolloutBatch, metric: str) -> torch.Tensor:
+        if metric == "acc":
+            return torch.tensor([float(e.get("acc", e["score"])) for e in batch.reward_extra])
+        if metric == "score":
+            return torch.tensor([float(e["score"]) for e in batch.reward_extra])
+        if metric == "seq_reward":
+            return batch.token_level_scores.sum(-1)
+        # seq_final_reward: the reward after shaping (overlong), i.e. the token-level scores' sum
+        return batch.token_level_scores.sum(-1)
+
+    def _step_metrics(self, batch: RolloutBatch, timer: Timer) -> dict[str, float]:
+        seconds = dict(timer.seconds)
+        num_tokens = batch.num_tokens()
+        metrics = compute_data_metrics(batch, use_critic=self.derived.use_critic,
+                                       max_response_length=self.derived.response_length,
+                                       max_prompt_length=self.derived.prompt_length)
+        metrics.update(compute_timing_metrics(seconds, num_tokens, num_response_tokens=int(batch.response_mask.sum())))
+        metrics.update(compute_throughput_metrics(num_tokens, seconds["step"], self.world_size))
+        metrics.update(reduce_metrics(self.workers.memory_metrics()))
+        metrics["training/global_step"] = float(self.global_step)
+        metrics["training/epoch"] = float(self.loader.epoch)
+        return metrics
+
+    def _finite_rewards(self, batch: RolloutBatch) -> bool:
+        return bool(torch.isfinite(batch.token_level_scores).all())
+
+    @staticmethod
+    def _finite(metrics: dict[str, float]) -> bool:
+        keys = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
+        return all(math.isfinite(metrics[k]) for k in keys if k in metrics) and not metrics.get("actor/skipped_steps")
+
+    def _bad_step(self, step: int, why: str) -> None:
+        self.bad_steps += 1
+        log.warning("step %d skipped: %s (%d in a row)", step, why, self.bad_steps)
+        self.tracker.log({"train/bad_step": 1.0}, step=step)
+        if self.bad_steps >= self.cfg.trainer.max_bad_steps:
+            self.save_checkpoint()
+            raise TrainingStopped(
+                f"{self.bad_steps} consecutive bad steps (last: {why}); saved the last good state as "
+                f"global_step_{self.global_step} in {self.run_dir}")
+
+    def _samples(self, batch: RolloutBatch, k: int) -> list[dict]:
+        out = []
+        for i in range(min(k, len(batch))):
+            p = self.tokenizer.decode(batch.prompt_ids[i][batch.prompt_mask[i].bool()], skip_special_tokens=True)
+            r = self.tokenizer.decode(batch.response_ids[i][batch.response_mask[i].bool()], skip_special_tokens=True)
+            out.append({"prompt": p, "response": r, "score": float(batch.reward_extra[i]["score"]),
+                        "ground_truth": batch.ground_truth[i]})
+        return out
+
+    def _dump_rollout(self, batch: RolloutBatch, step: int) -> None:
+        if self.cfg.trainer.rollout_data_dir:
+            _write_jsonl(Path(self.cfg.trainer.rollout_data_dir) / f"{step}.jsonl", self._samples(batch, len(batch)))
+
+    def _log_doctor(self) -> None:
+        from grpo_npu.tools.doctor import log_checks, run_checks
+
+        rollout = self.cfg.actor_rollout_ref.rollout
+        log_checks(run_checks(sleep_mode=rollout.name == "vllm" and rollout.enable_sleep_mode), log)
+
+    def close(self) -> None:
+        for closer in (self.tracker.close, self.reward_fn.close, self.val_reward_fn.close, self.workers.close):
+            try:
+                closer()
+            except Exception as exc:  # keep closing the rest
+                log.warning("error while closing: %s", exc)
+
+
+def _cat_right_padded(parts: list[torch.Tensor], value) -> torch.Tensor:
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=value) for p in parts], dim=0)
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, default=str) + "\n")
+    os.replace(tmp, path)
