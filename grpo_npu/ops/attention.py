@@ -135,7 +135,8 @@ def _attention_npu(
     if q_offsets is not None:
         layout = "TND"
         # Cumulative END offsets without the leading 0; sequences empty on both sides are dropped.
-        ends = [(qe, ke) for qs, qe, ks, ke in zip(q_offsets, q_offsets[1:], k_offsets, k_offsets[1:]) if (qs, ks) != (qe, ke)]
+        segments = zip(q_offsets, q_offsets[1:], k_offsets, k_offsets[1:])
+        ends = [(qe, ke) for qs, qe, ks, ke in segments if (qs, ks) != (qe, ke)]
         kwargs["actual_seq_qlen"] = [qe for qe, _ in ends]
         kwargs["actual_seq_kvlen"] = [ke for _, ke in ends]
     else:

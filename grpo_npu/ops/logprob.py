@@ -205,13 +205,13 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         for s in range(0, hidden.shape[0], ctx.rows):
-            h = hidden[s : s + ctx.rows]
-            z = _tempered(h @ weight.t(), ctx.temperature, writable=True, owned=True)
-            g_ent = g_entropy[s : s + ctx.rows] if ctx.with_entropy else None
-            g = _chunk_grad(z, labels[s : s + ctx.rows], lse[s : s + ctx.rows], g_logp[s : s + ctx.rows], g_ent, ctx.temperature)
-            g = g.to(hidden.dtype)  # (rows, V)
+            block = slice(s, s + ctx.rows)
+            h = hidden[block]
+            z = _tempered(h @ weight.t(), ctx.temperature, writable=True, owned=True)  # (rows, V)
+            g_ent = g_entropy[block] if ctx.with_entropy else None
+            g = _chunk_grad(z, labels[block], lse[block], g_logp[block], g_ent, ctx.temperature).to(hidden.dtype)
             if need_hidden:
-                grad_hidden[s : s + ctx.rows] = g @ weight
+                grad_hidden[block] = g @ weight
             if need_weight:  # accumulate in fp32 across chunks
                 if g.dtype == torch.float32:
                     grad_weight.addmm_(g.t(), h)
@@ -257,7 +257,8 @@ def logprobs_from_logits(
     """log softmax(logits / temperature)[labels], fp32 shaped like labels; (logp, entropy) if asked.
 
     logits (N, V) or (B, T, V) in any float dtype (strided slices such as ``logits[:, a:b]`` are
-    read in place), labels (N,) or (B, T). chunk_size: rows per chunk (default: ~128 MiB fp32).
+    read in place), labels (N,) or (B, T) valid token ids (there is no ignore_index: mask padded
+    positions afterwards). chunk_size: rows per chunk (default: CHUNK_BLOCK_BYTES of fp32).
     """
     labels = _check_common(labels, temperature, chunk_size)
     if not logits.dtype.is_floating_point or logits.shape[:-1] != labels.shape or logits.dim() not in (2, 3):
@@ -272,7 +273,8 @@ def logprobs_from_logits(
     if backend == "npu":
         rows = min(rows, NPU_CE_MAX_ROWS)
     logits_rows, labels_rows = _rows_view(logits, labels)
-    logp, entropy = _ChunkedLogprobs.apply(logits_rows, labels_rows, temperature, rows, with_entropy, _stats_for(logits))
+    stats = _stats_for(logits)
+    logp, entropy = _ChunkedLogprobs.apply(logits_rows, labels_rows, temperature, rows, with_entropy, stats)
     logp = logp.view(labels.shape)
     return (logp, entropy.view(labels.shape)) if with_entropy else logp
 
@@ -302,10 +304,10 @@ def linear_logprobs(
         raise ValueError(f"linear_logprobs: weight must be (V, H={hidden.shape[-1]}), got {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
         raise ValueError(f"linear_logprobs: hidden {hidden.dtype} and weight {weight.dtype} must share a dtype")
-    rows = chunk_size or default_chunk_rows(weight.shape[0])
-    hidden_rows = hidden.reshape(-1, hidden.shape[-1])
-    logp, entropy = _LinearLogprobs.apply(
-        hidden_rows, weight, labels.reshape(-1), temperature, min(rows, NPU_CE_MAX_ROWS), with_entropy, _stats_for(hidden)
-    )
+    rows = min(chunk_size or default_chunk_rows(weight.shape[0]), NPU_CE_MAX_ROWS)
+    hidden_rows = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+    stats = _stats_for(hidden)
+    labels_rows = labels.reshape(-1)
+    logp, entropy = _LinearLogprobs.apply(hidden_rows, weight, labels_rows, temperature, rows, with_entropy, stats)
     logp = logp.view(labels.shape)
     return (logp, entropy.view(labels.shape)) if with_entropy else logp

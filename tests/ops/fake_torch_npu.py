@@ -218,7 +218,10 @@ def _segment_offsets(name: str, seq: object, total: int) -> list[int]:
     seq = list(seq)
     while len(seq) > 1 and seq[-1] == 0:  # documented: trailing zeros mark batches that do not run
         seq.pop()
-    _require(len(seq) >= 1 and seq[0] > 0, f"npu_fusion_attention: {name} {seq} must be cumulative END offsets (no leading 0)")
+    _require(
+        len(seq) >= 1 and seq[0] > 0,
+        f"npu_fusion_attention: {name} {seq} must be cumulative END offsets (no leading 0)",
+    )
     _require(all(b >= a for a, b in zip(seq, seq[1:])), f"npu_fusion_attention: {name} {seq} must be non-decreasing")
     _require(seq[-1] == total, f"npu_fusion_attention: {name} ends at {seq[-1]} but the tensor has {total} tokens")
     return seq
@@ -271,7 +274,10 @@ def npu_fusion_attention(
         f"npu_fusion_attention: {input_layout} needs {want_dims}-D q/k/v, got {tuple(query.shape)}",
     )
     if atten_mask is not None:
-        _require(atten_mask.dtype in (torch.bool, torch.uint8), f"npu_fusion_attention: atten_mask must be bool/uint8, got {atten_mask.dtype}")
+        _require(
+            atten_mask.dtype in (torch.bool, torch.uint8),
+            f"npu_fusion_attention: atten_mask must be bool/uint8, got {atten_mask.dtype}",
+        )
         if sparse_mode in (2, 3):
             _require(
                 _is_compressed_causal(atten_mask),
@@ -282,7 +288,10 @@ def npu_fusion_attention(
         t_q, n_q, d = query.shape
         n_kv = key.shape[1]
         _require(head_num == n_q, f"npu_fusion_attention: head_num {head_num} != query heads {n_q} (TND)")
-        _require(actual_seq_qlen is not None and actual_seq_kvlen is not None, "npu_fusion_attention: TND needs actual_seq_qlen and actual_seq_kvlen")
+        _require(
+            actual_seq_qlen is not None and actual_seq_kvlen is not None,
+            "npu_fusion_attention: TND needs actual_seq_qlen and actual_seq_kvlen",
+        )
         q_ends = _segment_offsets("actual_seq_qlen", actual_seq_qlen, t_q)
         kv_ends = _segment_offsets("actual_seq_kvlen", actual_seq_kvlen, key.shape[0])
         _require(len(q_ends) == len(kv_ends), "npu_fusion_attention: actual_seq_qlen and actual_seq_kvlen lengths differ")
@@ -290,7 +299,10 @@ def npu_fusion_attention(
             _require(atten_mask.dim() == 2, "npu_fusion_attention: varlen only takes an SS atten_mask")
     else:
         if input_layout in ("BSH", "SBH"):
-            _require(query.shape[-1] % head_num == 0, f"npu_fusion_attention: H {query.shape[-1]} not divisible by head_num {head_num}")
+            _require(
+                query.shape[-1] % head_num == 0,
+                f"npu_fusion_attention: H {query.shape[-1]} not divisible by head_num {head_num}",
+            )
         q4 = _to_bnsd(query, input_layout, head_num)
         d = q4.shape[-1]
         kv_heads = key.shape[-1] // d if input_layout in ("BSH", "SBH") else None
@@ -315,7 +327,8 @@ def npu_fusion_attention(
                 masked = atten_mask.bool()[:sq, :skv]
                 _require(not bool(masked.all(-1).any()), "npu_fusion_attention: varlen atten_mask may not mask a whole row")
             q_seg = query[qs:qe].transpose(0, 1)[None]  # (1, N, sq, D)
-            out, row_max = _attend(q_seg, key[ks:ke].transpose(0, 1)[None], value[ks:ke].transpose(0, 1)[None], scale, masked)
+            k_seg, v_seg = (t[ks:ke].transpose(0, 1)[None] for t in (key, value))
+            out, row_max = _attend(q_seg, k_seg, v_seg, scale, masked)
             outs.append(out[0].transpose(0, 1))  # (sq, N, D)
             maxes.append(row_max[0].transpose(0, 1))  # (sq, N)
         out = torch.cat(outs).to(query.dtype)
@@ -330,7 +343,11 @@ def npu_fusion_attention(
             ok = m.shape[-2:] == (sq, skv) and (
                 m.dim() == 2 or (m.dim() == 4 and m.shape[0] in (1, b) and m.shape[1] in (1, n_q))
             )
-            _require(ok, f"npu_fusion_attention: atten_mask {tuple(m.shape)} is not BNSS/B1SS/11SS/SS for B={b} N={n_q} Sq={sq} Skv={skv}")
+            _require(
+                ok,
+                f"npu_fusion_attention: atten_mask {tuple(m.shape)} is not BNSS/B1SS/11SS/SS "
+                f"for B={b} N={n_q} Sq={sq} Skv={skv}",
+            )
             masked = m
         out4, row_max = _attend(q4, k4, v4, scale, masked)
         out = _from_bnsd(out4.to(query.dtype), input_layout)
@@ -359,13 +376,18 @@ def npu_cross_entropy_loss(
     n, c = input.shape
     _require(0 < n <= CE_MAX_ROWS, f"npu_cross_entropy_loss: N={n} outside (0, {CE_MAX_ROWS}]")
     _require(c > 0, "npu_cross_entropy_loss: C must be > 0")
-    _require(target.dtype == torch.int64 and target.shape == (n,), f"npu_cross_entropy_loss: target must be int64 [N={n}], got {target.dtype} {tuple(target.shape)}")
+    _require(
+        target.dtype == torch.int64 and target.shape == (n,),
+        f"npu_cross_entropy_loss: target must be int64 [N={n}], got {target.dtype} {tuple(target.shape)}",
+    )
     _require(reduction in ("mean", "sum", "none"), f"npu_cross_entropy_loss: reduction {reduction!r} not mean|sum|none")
     _require(ignore_index < c, "npu_cross_entropy_loss: ignore_index must be < C")
     _require(0.0 <= label_smoothing < 1.0, "npu_cross_entropy_loss: label_smoothing outside [0, 1)")
     _require(lse_square_scale_for_zloss == 0.0 and not return_zloss, "npu_cross_entropy_loss: zloss is not enabled yet")
     if weight is not None:
-        _require(weight.dtype == torch.float32 and weight.shape == (c,), "npu_cross_entropy_loss: weight must be float32 [C]")
+        _require(
+            weight.dtype == torch.float32 and weight.shape == (c,), "npu_cross_entropy_loss: weight must be float32 [C]"
+        )
     if input.requires_grad:
         if reduction == "mean":
             _require(
@@ -373,7 +395,9 @@ def npu_cross_entropy_loss(
                 "npu_cross_entropy_loss: with requires_grad, reduction='mean' needs every other argument at its default",
             )
         else:
-            _require(label_smoothing == 0.0, "npu_cross_entropy_loss: with requires_grad, label_smoothing must be 0 for sum/none")
+            _require(
+                label_smoothing == 0.0, "npu_cross_entropy_loss: with requires_grad, label_smoothing must be 0 for sum/none"
+            )
     ignored = target == ignore_index if ignore_index >= 0 else torch.zeros_like(target, dtype=torch.bool)
     valid = target[~ignored]
     _require(bool(((valid >= 0) & (valid < c)).all()), f"npu_cross_entropy_loss: target ids outside [0, {c})")

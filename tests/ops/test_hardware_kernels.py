@@ -3,7 +3,8 @@
 NPU: every op forced to backend "npu" on npu tensors, compared with the reference run on the same
 inputs; the emulator's schemas are checked against the installed torch_npu's op schemas.
 CUDA: the flash-attn cross-entropy path of logprobs_from_logits, when flash-attn is installed.
-Numerics of the NPU kernels are unverified here: compare with tolerances, never bitwise.
+Numerics of the NPU kernels are unverified here: compare with tolerances (the references run in
+fp32 on CPU copies of the same bf16 inputs), never bitwise.
 """
 
 from __future__ import annotations
@@ -31,14 +32,18 @@ def _npu() -> torch.device:
     return device.get_device("npu").torch_device()
 
 
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().float() if t.is_floating_point() else t.cpu()
+
+
 def _both(fn, *tensors):
-    """fn on the NPU kernels and on the references; returns (npu result, reference result), both on CPU."""
+    """fn on the NPU kernels, and on the references over fp32 CPU copies; both results as fp32 CPU."""
     with dispatch.use_backend("npu"):
         got = fn(*tensors)
     with dispatch.use_backend("reference"):
-        want = fn(*tensors)
-    to_cpu = lambda x: tuple(t.float().cpu() for t in x) if isinstance(x, tuple) else x.float().cpu()  # noqa: E731
-    return to_cpu(got), to_cpu(want)
+        want = fn(*(_cpu(t) for t in tensors))
+    as_cpu = lambda x: tuple(_cpu(t) for t in x) if isinstance(x, tuple) else _cpu(x)  # noqa: E731
+    return as_cpu(got), as_cpu(want)
 
 
 @pytest.mark.npu
@@ -87,7 +92,7 @@ def test_npu_fusion_attention(case):
         keep = torch.ones(2, 1, 37, 37, dtype=torch.bool, device=dev).tril()
         keep[1, :, :, :5] = False
         keep[1, :, :5, :5] = torch.eye(5, dtype=torch.bool, device=dev)  # no fully masked rows
-        got, want = _both(lambda a, b, c: attention_op.attention(a, b, c, causal=False, attn_mask=keep), q, k, v)
+        got, want = _both(lambda a, b, c, m: attention_op.attention(a, b, c, causal=False, attn_mask=m), q, k, v, keep)
     else:
         cu = attention_op.cu_seqlens_from_lengths([30, 1, 43])
         got, want = _both(
