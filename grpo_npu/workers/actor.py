@@ -62,11 +62,22 @@ class ModelInputs:
 
 
 def build_inputs(batch: RolloutBatch, remove_padding: bool) -> ModelInputs:
-    """Model inputs for a (trimmed) micro-batch; every row needs at least one prompt token."""
+    """Model inputs for a (trimmed) micro-batch.
+
+    Every row needs at least one prompt token; prompts are left-padded and responses right-padded
+    (each mask is one contiguous run of ones), which is what makes both paths agree.
+    """
     prompt_len = batch.prompt_mask.sum(1)  # (b,)
     if bool((prompt_len == 0).any()):
         row = int((prompt_len == 0).nonzero()[0])
         raise ValueError(f"row {row} has no prompt tokens: the first response token would have no context")
+    for name, mask, bad in (("prompt_mask", batch.prompt_mask, batch.prompt_mask[:, 1:] < batch.prompt_mask[:, :-1]),
+                            ("response_mask", batch.response_mask,
+                             batch.response_mask[:, 1:] > batch.response_mask[:, :-1])):
+        if bool(bad.any()):
+            row = int(bad.any(1).nonzero()[0])
+            side = "left-padded (zeros then ones)" if name == "prompt_mask" else "right-padded (ones then zeros)"
+            raise ValueError(f"row {row}: {name} must be {side}, got {mask[row].tolist()}")
     input_ids = batch.input_ids  # (b, L)
     attn = batch.attention_mask.bool()  # (b, L)
     position_ids = batch.position_ids  # (b, L)

@@ -14,6 +14,7 @@ Every function that gathers or reduces is collective: all ranks call it in the s
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -133,7 +134,6 @@ def load_hf_config(path: str, override_config: dict[str, Any], *, trust_remote_c
         if not hasattr(config, key):
             raise ValueError(f"model.override_config.{key}: {type(config).__name__} has no such field")
         setattr(config, key, value)
-    config.use_cache = False  # training passes never keep a KV cache
     if num_labels is not None:  # a value head: one output, no dropout (PPO critics use none)
         config.num_labels = num_labels
         config.classifier_dropout = 0.0
@@ -297,7 +297,7 @@ def export_hf(
             os.replace(os.path.join(out_dir, name), os.path.join(out_dir, final))
             weight_map.update({k: final for k in keys})
         _atomic_write_json(os.path.join(out_dir, SAFETENSORS_INDEX), {"metadata": {}, "weight_map": weight_map})
-    config = module.config
+    config = copy.deepcopy(module.config)  # the live model's config stays as it is
     if dtype is not None:
         config.dtype = dtype
     config.save_pretrained(out_dir)

@@ -55,7 +55,6 @@ class HybridWorker:
         self.critic: Critic | None = None
         self.rollout: Any = None
         self.ledger: Any = None
-        self.weights_stale = True  # the rollout has not yet received the actor's current weights
 
     # -- building ---------------------------------------------------------------------------------
     def init_model(self, total_steps: int = -1) -> dict[str, bool]:
@@ -150,15 +149,13 @@ class HybridWorker:
                 free_weights=lambda: fsdp.reshard_all(actor.module), ledger=self.ledger,
             )
             fsdp.reshard_all(actor.module)
-        self.weights_stale = False
         return out
 
     def sync_rollout_weights(self) -> None:
-        """Stream the actor's weights into the rollout now (generate() also does it every call)."""
+        """Stream the actor's weights into the rollout now (generate() does it on every call anyway)."""
         actor, rollout = self._need("actor"), self._need("rollout")
         with params_on(actor.module, self.dev, actor.param_offload):
             rollout.update_weights(self.rollout_weights())
-        self.weights_stale = False
 
     # -- log-probs and values -----------------------------------------------------------------------
     def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -179,11 +176,11 @@ class HybridWorker:
 
     # -- updates ------------------------------------------------------------------------------------
     def update_actor(self, batch: RolloutBatch) -> dict[str, float]:
-        metrics = self._need("actor").update(batch)
-        self.weights_stale = True
-        return metrics
+        """One PPO/GRPO update of the actor on this rank's rows (needs old_logp, advantages[, ref_logp])."""
+        return self._need("actor").update(batch)
 
     def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
+        """One value update on this rank's rows (needs values, returns)."""
         return self._need("critic").update(batch)
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -216,7 +213,6 @@ class HybridWorker:
             with params_on(self.critic.module, self.dev, self.critic.param_offload):
                 self.critic.load_extra(fsdp.load_sharded(os.path.join(in_dir, CRITIC_DIR), self.critic.module,
                                                          self.critic.optimizer))
-        self.weights_stale = True
         return int(extra["step"])
 
     def export_hf(self, out_dir: str, dtype: str | None = None) -> None:

@@ -37,11 +37,13 @@ def _reference_logp(model_path: str, batch, temperature: float = 1.0, grad: bool
     return logp * mask, entropy * mask, model
 
 
-@pytest.mark.parametrize("remove_padding", [False, True])
-def test_log_probs_and_entropy_match_full_softmax(tiny_model_path, remove_padding):
+@pytest.mark.parametrize("remove_padding,fused", [(False, False), (True, False), (True, True)])
+def test_log_probs_and_entropy_match_full_softmax(tiny_model_path, remove_padding, fused):
+    """fused: grpo_npu.ops.patch_model (reference backends on CPU; packed batches go through its varlen path)."""
     cfg = make_cfg(tiny_model_path, f"actor_rollout_ref.model.use_remove_padding={remove_padding}",
-                   "actor_rollout_ref.rollout.temperature=0.7")
+                   f"actor_rollout_ref.model.use_fused_kernels={fused}", "actor_rollout_ref.rollout.temperature=0.7")
     worker = make_worker(cfg)
+    assert (worker.actor.module.hf.config._attn_implementation == "grpo_npu") == fused
     batch = make_batch(seed=0)
     ref_logp, ref_entropy, _ = _reference_logp(tiny_model_path, batch, temperature=0.7)
     logp, entropy = worker.actor.log_probs(batch, micro_size=3, max_tokens=None, with_entropy=True)
@@ -93,8 +95,9 @@ def test_gradients_match_plain_model_through_chunked_logprobs(tiny_model_path):
 
     variants = {
         "padded": (),
+        "checkpointed": ("actor_rollout_ref.model.enable_gradient_checkpointing=True",
+                         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"),
         "packed": ("actor_rollout_ref.model.use_remove_padding=True",),
-        "checkpointed": ("actor_rollout_ref.model.enable_gradient_checkpointing=True",),
         "packed+checkpointed+micro1": ("actor_rollout_ref.model.use_remove_padding=True",
                                       "actor_rollout_ref.model.enable_gradient_checkpointing=True",
                                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"),
@@ -109,7 +112,7 @@ def test_gradients_match_plain_model_through_chunked_logprobs(tiny_model_path):
 
 
 def test_update_is_invariant_to_micro_batching(tiny_model_path):
-    """One optimizer step: micro-batches 8x1 == 1x8 == token-budget packing (loss, metrics, weights)."""
+    """One optimizer step: micro-batches 8x1 == 1x8 == token-budget packing, padded or packed (loss, metrics, weights)."""
     batch = _ppo_batch(tiny_model_path, seed=2)
     initial = None
     runs = {}
@@ -213,6 +216,10 @@ def test_compute_log_prob_reports_entropy_and_validates(tiny_model_path):
     no_prompt.prompt_mask[2] = 0
     with pytest.raises(ValueError, match="row 2 has no prompt tokens"):
         worker.compute_log_prob(no_prompt)
+    holey = batch.replace(response_mask=batch.response_mask.clone())
+    holey.response_mask[0, :3] = torch.tensor([1, 0, 1])
+    with pytest.raises(ValueError, match=r"row 0: response_mask must be right-padded"):
+        worker.compute_log_prob(holey)
     with pytest.raises(ValueError, match="needs old_logp and advantages"):
         worker.update_actor(batch.replace(advantages=None))
 
