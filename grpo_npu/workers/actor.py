@@ -248,6 +248,8 @@ def forward_in_micro_batches(
     fn: Callable[[RolloutBatch], torch.Tensor | tuple], batch: RolloutBatch, groups: list[list[int]], width: int
 ) -> list[torch.Tensor]:
     """Run ``fn`` on each trimmed micro-batch; returns per-output (B, width) tensors in original row order."""
+    if not groups:
+        raise ValueError("an empty batch: every rank needs at least one row")
     parts: list[list[torch.Tensor]] = []
     for rows in groups:
         out = fn(trim_padding(batch.select(rows)))
@@ -333,10 +335,11 @@ class Policy:
         self.module.eval()
         groups = plan_micro_batches(batch, size=micro_size, max_tokens=max_tokens, dev=self.dev)
         with params_on(self.module, self.dev, self.param_offload):
-            outs = forward_in_micro_batches(
-                lambda m: self.forward(m, with_entropy) if with_entropy else self.forward(m, False)[0],
-                batch, groups, batch.response_ids.shape[1],
-            )
+            def run(micro: RolloutBatch):
+                logp, entropy = self.forward(micro, with_entropy)
+                return (logp, entropy) if with_entropy else logp
+
+            outs = forward_in_micro_batches(run, batch, groups, batch.response_ids.shape[1])
             fsdp.reshard_all(self.module)  # the root stays gathered after a forward without backward
         return outs[0], (outs[1] if with_entropy else None)
 

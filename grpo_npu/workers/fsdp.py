@@ -79,7 +79,7 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-_MESHES: dict[tuple[int, str, int], DeviceMesh] = {}
+_MESHES: dict[tuple[object, str, int], DeviceMesh] = {}
 
 
 def build_mesh(dev: Device, fsdp_size: int) -> DeviceMesh:
@@ -94,7 +94,7 @@ def build_mesh(dev: Device, fsdp_size: int) -> DeviceMesh:
         raise ValueError(f"fsdp_config.fsdp_size={fsdp_size} must be -1 or divide the world size {ws}")
     else:
         shape, names = (ws // fsdp_size, fsdp_size), ("ddp", "fsdp")
-    key = (id(dist.group.WORLD), dev.kind, shape[-1])
+    key = (dist.group.WORLD, dev.kind, shape[-1])  # the group object itself: a new group never hits
     if key not in _MESHES:
         _MESHES[key] = init_device_mesh(dev.kind, shape, mesh_dim_names=names)
     return _MESHES[key]
