@@ -255,14 +255,19 @@ class VLLMRollout(Rollout):
             raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
         self.sleep_level = sleep_level
         self.sleeps = sleeps
-        self.asleep = False
+        self.asleep_tags: set[str] = set()  # what the engine has released: "weights", "kv_cache"
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self.asleep_tags)
 
     # -- generation -----------------------------------------------------------------------------
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig) -> GenerationOutput:
         from vllm.inputs import TokensPrompt
 
         if self.asleep:
-            raise RuntimeError("VLLMRollout.generate called while the engine sleeps; wake_up() first")
+            raise RuntimeError(f"VLLMRollout.generate: the engine sleeps ({sorted(self.asleep_tags)}); wake_up() first "
+                               "(grpo_npu.rollout.run_rollout_step does it in the documented order)")
         prompts = unpad_prompts(prompt_ids, prompt_mask)
         n = sampling.n
         if sampling.greedy:  # vLLM refuses n > 1 when greedy: repeat the prompt instead (same rows)
@@ -292,6 +297,9 @@ class VLLMRollout(Rollout):
     # -- weights --------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream HF-named tensors into the engine (in-process: the worker reads them by reference)."""
+        if "weights" in self.asleep_tags:
+            raise RuntimeError("VLLMRollout.update_weights: the engine's weights sleep; wake_up(['weights']) first "
+                               "(grpo_npu.rollout.wake_for_rollout does it in the documented order)")
         stream = engine_tensors(named_tensors, self.tied_embeddings)
         loaded = self.llm.collective_rpc(load_weights_on_worker, args=(stream,))
         if not loaded or min(loaded) == 0:
@@ -308,15 +316,20 @@ class VLLMRollout(Rollout):
             return
         if not self.asleep:
             self.llm.sleep(level=self.sleep_level)
-            self.asleep = True
+            self.asleep_tags = {"weights", "kv_cache"}
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         if not self.sleeps:
             log.debug("vllm rollout: wake_up(%s) is a no-op (the engine never sleeps here)", tags)
             return
-        self.llm.wake_up(tags=tags)
-        if tags is None or "kv_cache" in tags:  # weights come back first, the KV cache last
-            self.asleep = False
+        wanted = set(self.asleep_tags if tags is None else tags)
+        unknown = wanted - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"VLLMRollout.wake_up: unknown tags {sorted(unknown)}; known: kv_cache, weights")
+        todo = wanted & self.asleep_tags
+        if todo:
+            self.llm.wake_up(tags=sorted(todo))
+            self.asleep_tags -= todo
 
     def close(self) -> None:
         """Shut the engine core down and drop the engine."""
@@ -324,6 +337,29 @@ class VLLMRollout(Rollout):
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
         self.llm = None
+
+
+class _BenignReloadWarnings(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights", logged on every reload.
+
+    Rotary layers hold only a cos/sin cache computed from the config, which no checkpoint contains; the
+    reload then keeps the existing cache, which is right. Any other layer's warning stays visible (a
+    ParallelLMHead one, for instance, means the LM head kept stale weights).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        benign = record.msg == "%s: Failed to load weights" and bool(args) and str(args[0]).endswith("RotaryEmbedding")
+        return not benign
+
+
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def _hide_benign_reload_warnings() -> None:
+    reload_log = logging.getLogger(_RELOAD_LOGGER)
+    if not any(isinstance(f, _BenignReloadWarnings) for f in reload_log.filters):
+        reload_log.addFilter(_BenignReloadWarnings())
 
 
 def platform_has_sleep_mode() -> bool:
@@ -358,6 +394,7 @@ def build_vllm_rollout(
     kwargs = vllm_engine_kwargs(cfg, model_path=model_path, device_kind=device.kind, prompt_length=prompt_length,
                                 response_length=response_length, sleep_mode=sleep_mode,
                                 trust_remote_code=trust_remote_code)
+    _hide_benign_reload_warnings()
     set_num_threads = torch.set_num_threads
     rng = device.get_rng_state()  # in-process, vLLM seeds the global RNGs with rollout.seed: keep the caller's
     try:

@@ -215,3 +215,39 @@ def test_old_workers_without_the_reload_api_load_into_the_model():
     assert not supports_weight_reload(old)
     assert load_weights_on_worker(old, _weights()) == 2 and loaded == ["a", "b"]
     assert supports_weight_reload(FakeWorker([]))
+
+
+@pytest.mark.vllm
+def test_vllm_backend_refuses_weights_or_generation_while_asleep():
+    pytest.importorskip("vllm")
+    from grpo_npu.rollout.vllm_rollout import VLLMRollout
+
+    calls: list[str] = []
+    rollout = VLLMRollout(FakeLLM(calls), pad_token_id=0, eos_token_ids=[2], sleep_level=1, sleeps=True)
+    rollout.sleep()
+    with pytest.raises(RuntimeError, match=r"wake_up\(\['weights'\]\) first"):
+        rollout.update_weights(_weights())
+    rollout.wake_up(["weights"])
+    rollout.update_weights(_weights())
+    with pytest.raises(RuntimeError, match=r"sleeps \(\['kv_cache'\]\)"):
+        rollout.generate(*_prompts(), SamplingConfig(max_new_tokens=2))
+    with pytest.raises(ValueError, match="unknown tags"):
+        rollout.wake_up(["optimizer"])
+    rollout.wake_up()  # None: whatever still sleeps
+    rollout.wake_up(["kv_cache"])  # already awake: no engine call
+    assert calls == ["sleep(level)", "wake_up(weights)", "update_weights", "wake_up(kv_cache)"]
+    assert not rollout.asleep
+
+
+def test_only_the_rotary_reload_warning_is_hidden():
+    import logging
+
+    from grpo_npu.rollout.vllm_rollout import _BenignReloadWarnings
+
+    def record(layer):
+        return logging.LogRecord("x", logging.WARNING, "f", 1, "%s: Failed to load weights", (layer,), None)
+
+    keep = _BenignReloadWarnings().filter
+    assert not keep(record("RotaryEmbedding"))
+    assert not keep(record("YaRNScalingRotaryEmbedding"))
+    assert keep(record("ParallelLMHead"))
