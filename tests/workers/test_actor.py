@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_npu.workers import fsdp
 
-from .helpers import ROWS, full_weights, make_batch, make_cfg, make_worker, max_abs_diff
+from .helpers import full_weights, make_batch, make_cfg, make_worker, max_abs_diff
 
 pytestmark = pytest.mark.usefixtures("process_group")
 
