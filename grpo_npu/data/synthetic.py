@@ -1,6 +1,6 @@
 """An offline arithmetic task in the gsm8k schema, small enough for a ~1M-parameter model on a CPU.
 
-    python -m grpo_npu.data.synthetic --out_dir ~/data/arith --train_size 2048 --test_size 256 --difficulty 2 --seed 0
+    python -m grpo_npu.data.synthetic --out_dir ~/data/arith --train_size 2048 --test_size 256 --difficulty 1 --seed 0
 
 Writes ``train.parquet``/``test.parquet`` (RL rows, exactly the gsm8k schema: the gsm8k reward scores
 them) and ``sft_train.parquet``/``sft_test.parquet`` (the same columns plus ``response``: a worked
@@ -36,8 +36,11 @@ class Level:
     max_multiplier: int = 9  # the right operand of "*" stays one digit, keeping answers small
 
 
-# Level 2 (the default) is 2-operand +/- on 0..19: a brief SFT teaches a ~1M-parameter model the
-# format and some of the facts, leaving room for RL (see the calibration in the module's report).
+# Calibration (tiny ~1M Qwen2 from grpo_npu.models.tiny, SFT on 4096 sft_train rows, batch 32, AdamW
+# lr 2e-3, then greedy accuracy on 128 test prompts after 100 / 200 / 400 steps):
+#   level 1: 10% / 26% / 34%    level 2: 5% / 9% / 9%    level 3: 1% / 2% / 1%
+# Level 1 (the default) is therefore where a briefly SFT'd tiny model is right sometimes, not always,
+# and RL has room to climb; levels 2+ are for longer SFT or larger models.
 LEVELS = {
     1: Level(num_operands=2, max_value=9, ops=("+",), word_fraction=0.3),
     2: Level(num_operands=2, max_value=19, ops=("+", "-"), word_fraction=0.3),
@@ -46,7 +49,7 @@ LEVELS = {
     5: Level(num_operands=3, max_value=99, ops=("+", "-", "*"), word_fraction=0.3),
     6: Level(num_operands=4, max_value=999, ops=("+", "-", "*"), word_fraction=0.3),
 }
-DEFAULT_DIFFICULTY = 2
+DEFAULT_DIFFICULTY = 1
 
 # Names and items come from the tiny tokenizer's training corpus where possible: short token runs.
 NAMES = ("Tom", "Ana", "Sam", "Mia", "Leo", "Zoe", "Ben", "Eva")
