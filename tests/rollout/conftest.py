@@ -18,6 +18,20 @@ PROMPTS = [
 EOS_BOOST = 1.6
 
 
+# The tiny model's ops are microseconds long: with 2 intra-op threads on a shared 2-core machine, every
+# op can wait on a descheduled thread (this directory measured 58 s with 2 threads, 13 s with 1).
+TEST_THREADS = 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Run each rollout test module single-threaded, then restore the caller's thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(TEST_THREADS)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny_hf(tiny_model_path):
     from transformers import AutoModelForCausalLM

@@ -23,7 +23,7 @@ MIN_FREED_GIB = 1.0
 
 
 @pytest.mark.parametrize("level", [1, 2])
-def test_sleep_mode_cycle_on_gpu(level, tiny_model_path, tiny_tokenizer, prompt_batch, ref):
+def test_sleep_mode_cycle_on_gpu(level, tiny_model_path, tiny_tokenizer, prompt_batch):
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 

@@ -106,3 +106,31 @@ def test_sampling_from_config():
     assert train.return_logprobs and train.seed == 3 and not train.greedy
     val = validation_sampling(cfg, response_length=64)
     assert val.greedy and val.n == 1 and val.max_new_tokens == 64
+
+
+class _FakeNpu:
+    kind = "npu"
+    alloc_conf_env = "PYTORCH_NPU_ALLOC_CONF"
+
+    def __init__(self, expandable: bool):
+        self.expandable = expandable
+
+    def env_has_expandable_segments(self) -> bool:
+        return self.expandable
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("expandable, env, match", [
+    (True, {}, "expandable_segments:True"),
+    (False, {"VLLM_ASCEND_ENABLE_NZ": "1"}, "VLLM_ASCEND_ENABLE_NZ=1"),
+])
+def test_build_refuses_sleep_mode_conflicts_before_building_an_engine(monkeypatch, expandable, env, match):
+    pytest.importorskip("vllm")
+    import grpo_npu.rollout.vllm_rollout as vr
+
+    monkeypatch.setattr(vr, "platform_has_sleep_mode", lambda: True)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=match):
+        vr.build_vllm_rollout(RolloutConfig(enable_sleep_mode=True), model_path="/nonexistent", device=_FakeNpu(expandable),
+                              prompt_length=8, response_length=8, pad_token_id=0, eos_token_ids=[2])
