@@ -959,6 +959,8 @@ def validate(cfg: Config) -> None:
         _require(fg.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches must be >= 0 (0: unlimited)")
     ob = cfg.reward_model.overlong_buffer
     if ob.enable:
+        _require(cfg.reward_model.reward_manager == "dapo",
+                 "reward_model.overlong_buffer.enable=True needs reward_model.reward_manager=dapo (naive adds no shaping)")
         _require(0 < ob.len <= d.max_response_length,
                  f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={d.max_response_length}]")
 

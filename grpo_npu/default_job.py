@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 DIFFICULTY = 1  # single-digit addition: a ~1M-parameter model learns it on two cores in minutes
 TRAIN_SIZE, TEST_SIZE, SFT_SIZE = 2048, 128, 512
-SFT_STEPS = 40  # deliberately short: leaves headroom that RL then closes
+SFT_STEPS = int(os.environ.get("GRPO_NPU_SFT_STEPS", 150))  # short on purpose: leaves headroom for RL
 SFT_OVERRIDES = [
     "data.train_batch_size=32", "data.max_prompt_length=64", "data.max_response_length=48",
     "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",

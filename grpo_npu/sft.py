@@ -135,7 +135,7 @@ def sft_step(actor, batch: RolloutBatch) -> dict[str, float]:
 
     from grpo_npu.algo import losses
     from grpo_npu.workers import fsdp
-    from grpo_npu.workers.actor import clip_and_step, optimizer_on, params_on, plan_micro_batches
+    from grpo_npu.workers.actor import clip_and_step, optimizer_on, params_on, plan_micro_batches, step_scheduler
     from grpo_npu.workers.micro_batch import trim_padding
 
     dev, cfg, d = actor.dev, actor.cfg, actor.derived
@@ -155,7 +155,7 @@ def sft_step(actor, batch: RolloutBatch) -> dict[str, float]:
             (loss * scale).backward()
             loss_sum += loss.detach().double()
         norm, stepped = clip_and_step(actor.params, actor.optimizer, cfg.grad_clip)
-    actor.scheduler.step()
+    step_scheduler(actor.scheduler)
     fsdp.all_reduce(loss_sum)
     return {"train/loss": float(loss_sum.item()), "train/grad_norm": norm, "train/lr": lr,
             "train/skipped_steps": float(not stepped)}

@@ -31,6 +31,7 @@ from grpo_npu.device import get_device
 from grpo_npu.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics
 from grpo_npu.reward.manager import get_reward_manager
 from grpo_npu.reward.score import make_compute_score
+from grpo_npu.rollout import training_sampling, validation_sampling
 from grpo_npu.rollout.base import SamplingConfig
 from grpo_npu.tracking import Tracker
 
@@ -319,10 +320,9 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Generate on the validation set with val_kwargs; val-core/<data_source>/reward/mean@N."""
-        vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
-        sampling = SamplingConfig(n=vk.n, temperature=vk.temperature, top_p=vk.top_p, top_k=vk.top_k,
-                                  do_sample=vk.do_sample, max_new_tokens=self.derived.response_length,
-                                  seed=self.cfg.actor_rollout_ref.rollout.seed)
+        rollout = self.cfg.actor_rollout_ref.rollout
+        sampling = validation_sampling(rollout, self.derived.response_length, seed=rollout.seed)
+        n = sampling.n
         loader = PromptLoader(self.val_set, self._val_batch_size(), shuffle=False, drop_last=False)
         scores: dict[str, list[float]] = defaultdict(list)
         samples = []
@@ -337,7 +337,7 @@ class Trainer:
             log.info("val sample (score %.2f)\n  prompt: %s\n  response: %s", s["score"], s["prompt"][-200:], s["response"])
         if self.cfg.trainer.validation_data_dir:
             _write_jsonl(Path(self.cfg.trainer.validation_data_dir) / f"val_step_{self.global_step}.jsonl", samples)
-        return {f"val-core/{src}/reward/mean@{vk.n}": sum(v) / len(v) for src, v in scores.items()}
+        return {f"val-core/{src}/reward/mean@{n}": sum(v) / len(v) for src, v in scores.items()}
 
     # ------------------------------------------------------------------------------------------
     # Checkpoints
@@ -381,9 +381,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def train_sampling(self, step: int, attempt: int) -> SamplingConfig:
         r = self.cfg.actor_rollout_ref.rollout
-        return SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, do_sample=r.do_sample,
-                              max_new_tokens=self.derived.response_length, ignore_eos=r.ignore_eos,
-                              seed=r.seed + step * SEED_STRIDE + attempt, return_logprobs=r.calculate_log_probs)
+        return training_sampling(r, self.derived.response_length, seed=r.seed + step * SEED_STRIDE + attempt)
 
     def _next_prompts(self) -> PromptBatch:
         for prompts in self._batches:
