@@ -4,11 +4,14 @@ The engine is built in-process, next to the actor it serves (colocated):
 
 - ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps vLLM V1's engine core in this process, so
   :meth:`VLLMRollout.update_weights` hands the actor's tensors to the worker by reference (no
-  pickling, no second copy) through ``LLM.collective_rpc``. Tensor parallelism across the training
-  ranks (tp > 1, NPU/GPU) uses ``distributed_executor_backend="external_launcher"``: every rank
-  builds its own in-process engine over the ranks torch.distributed already has (verl's layout;
-  not testable on this CPU-only project, see the README). On CPU each worker runs its own tp=1
-  engine and rollout is data-parallel.
+  pickling, no second copy) through ``LLM.collective_rpc``. On CPU each worker runs its own tp=1
+  engine and rollout is data-parallel (vLLM lays its groups out as external-DP x TP over the
+  process group the actor already initialised). Tensor parallelism across the training ranks
+  (tp > 1, NPU/GPU) uses ``distributed_executor_backend="external_launcher"`` (verl's layout):
+  every rank builds its own in-process engine and vLLM forms TP groups of consecutive ranks from
+  RANK/WORLD_SIZE; all ranks of a TP group must then call ``generate`` with the same prompts, so
+  the worker group gathers prompts within each TP group and keeps its own slice of the outputs.
+  That path cannot run on this project's CPU-only machines and is untested.
 - Weights: ``load_format=dummy`` (random) when the actor's weights are synced before the first
   generation, which they always are in :func:`grpo_npu.rollout.step.run_rollout_step`. They are
   loaded through the worker's ``reload_weights(weights_iterator=...)`` (vLLM >= 0.11 GPU/CPU
@@ -246,15 +249,15 @@ class VLLMRollout(Rollout):
         sleeps: bool,
         tied_embeddings: bool = False,
     ) -> None:
-        """``llm``: a ``vllm.LLM``; ``sleeps``: the engine has sleep mode and releases memory after each rollout."""
-        self.tied_embeddings = tied_embeddings
+        """``llm``: a ``vllm.LLM``; ``sleeps``: it has sleep mode and releases memory after each rollout."""
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
         self.llm = llm
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(t) for t in eos_token_ids]
-        if sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
         self.sleep_level = sleep_level
         self.sleeps = sleeps
+        self.tied_embeddings = tied_embeddings  # the engine's LM head is its input embedding
         self.asleep_tags: set[str] = set()  # what the engine has released: "weights", "kv_cache"
 
     @property
