@@ -107,7 +107,6 @@ def test_grpo_two_ray_workers_with_vllm(tiny_model_path, task, tmp_path):
         "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         "actor_rollout_ref.actor.checkpoint.save_contents=['model','optimizer','extra','hf_model']",
         "actor_rollout_ref.rollout.calculate_log_probs=True",
-        "+actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=0",
     ))
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "perf/throughput",
                 "timing_s/gen", "timing_s/update_actor", "response_length/mean"):

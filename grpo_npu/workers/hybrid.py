@@ -40,6 +40,21 @@ ACTOR_DIR = "actor"
 CRITIC_DIR = "critic"
 
 
+def eos_ids(tokenizer, model_path: str) -> list[int]:
+    """The tokenizer's eos plus the generation config's (Qwen2.5-Instruct stops at two ids)."""
+    from transformers import GenerationConfig
+
+    ids = [tokenizer.eos_token_id]
+    try:
+        extra = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json: the tokenizer's eos is all there is
+        extra = None
+    for i in extra if isinstance(extra, (list, tuple)) else [extra]:
+        if i is not None and i not in ids:
+            ids.append(int(i))
+    return ids
+
+
 class HybridWorker:
     """One rank's models. Construct inside an initialised process group (the WorkerGroup does)."""
 
@@ -114,7 +129,7 @@ class HybridWorker:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.rollout = build_rollout(
             arr.rollout, device=self.dev, model_path=arr.model.path, prompt_length=self.derived.prompt_length,
-            response_length=self.derived.response_length, pad_token_id=pad, eos_token_ids=[tok.eos_token_id],
+            response_length=self.derived.response_length, pad_token_id=pad, eos_token_ids=eos_ids(tok, arr.model.path),
             module=self.actor.module, trust_remote_code=arr.model.trust_remote_code,
         )
         self.ledger = MemoryLedger(self.dev)
