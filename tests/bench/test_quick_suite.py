@@ -1,0 +1,78 @@
+"""``python -m bench --quick``: every benchmark runs on CPU and reports in the agreed shape (not speed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench import run_all as runner
+from bench import step_vs_trl as svt
+
+pytestmark = pytest.mark.slow  # every benchmark at quick sizes, one process each: about 1.5 minutes on 2 cores
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_results")
+    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out-dir", str(out)], cwd=runner.REPO_ROOT,
+                          env={**os.environ, "PYTHONPATH": str(runner.REPO_ROOT)}, capture_output=True, text=True)
+    results = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    return proc, results
+
+
+def test_every_benchmark_runs_and_the_suite_exits_zero(suite):
+    proc, results = suite
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert set(results) == {*runner.BENCHMARKS, "summary"}
+    assert "== summary ==" in proc.stdout
+
+
+@pytest.mark.parametrize("name", runner.BENCHMARKS)
+def test_benchmark_result_shape(suite, name):
+    result = suite[1][name]
+    assert result["name"] == name
+    assert result["rows"] and all(isinstance(row, dict) and row for row in result["rows"])
+    assert result["notes"], "every benchmark says how it measured"
+    for target in result["targets"].values():
+        assert set(target) == {"measured", "target", "passed"}
+        assert isinstance(target["measured"], float) and target["target"].startswith((">= ", "<= "))
+
+
+def test_summary_lists_every_target_of_every_benchmark(suite):
+    results = suite[1]
+    summary_rows = {(r["benchmark"], r["target"]): r for r in results["summary"]["rows"]}
+    for name in runner.BENCHMARKS:
+        for target, t in results[name]["targets"].items():
+            row = summary_rows[(name, target)]
+            assert row["measured"] == t["measured"] and row["want"] == t["target"]
+            assert row["verdict"] == ("PASS" if t["passed"] else "MISS")
+    assert not any(r["verdict"] == "CRASH" for r in summary_rows.values())
+
+
+def test_step_vs_trl_sides_did_identical_work(suite):
+    result = suite[1]["step_vs_trl"]
+    rows = {row["side"]: row for row in result["rows"]}
+    expected = {svt.LABELS[s] for s in svt.SIDES if svt.missing_dependency(s) is None}
+    assert set(rows) == expected
+    work = svt.QUICK
+    for row in rows.values():
+        assert row["response_tokens_per_step"] == work.prompts * work.n * work.response_len  # EOS ignored everywhere
+        assert row["threads"] == work.threads
+        assert row["steps_per_s"] == pytest.approx(1.0 / row["step_s"])
+        assert row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / row["step_s"])
+        assert len(row["step_s_all"].split("/")) == work.timed_steps
+        assert 0 < row["gen_s"] < row["step_s"] and 0 < row["update_s"] < row["step_s"]
+    assert len({row["tokens_per_step"] for row in rows.values()}) == 1, "same prompts and lengths on every side"
+    trl = rows.get(svt.LABELS["trl"])
+    if trl is None:
+        assert not result["targets"] and any("trl is not installed" in n for n in result["notes"])
+        return
+    for side, target in svt.TARGETS.items():
+        if svt.LABELS[side] in rows:
+            ratio = rows[svt.LABELS[side]]["steps_per_s"] / trl["steps_per_s"]
+            assert result["targets"][target]["measured"] == pytest.approx(ratio)
+    assert any("load average" in n for n in result["notes"])
