@@ -5,7 +5,13 @@
 3. an SFT warm start of the tiny model on worked solutions, cached after the first run
    (RL from random weights cannot learn: the model must first produce "#### <n>" answers);
 4. GRPO with a low_var_kl KL loss on the same task, through the same trainer, workers, rollout and
-   reward code as a real run, validating greedily before training and at the end.
+   reward code as a real run, validating before training, every 20 steps and at the end.
+
+The task (difficulty 1: single-digit addition, as numbers or word problems) has only 100 distinct
+sums, so the validation prompts are a separate draw of the *same* distribution rather than held-out
+facts: the validation reward measures how well the policy solves the task (the quantity RL
+optimises), not generalisation to unseen facts. Validation samples 4 answers per prompt at the
+training temperature (``val-core/openai/gsm8k/reward/mean@4``).
 
 Everything lives under ``$GRPO_NPU_CACHE/default_job`` (default ``~/.cache/grpo_npu/default_job``);
 ``GRPO_NPU_DEFAULT_RUN_DIR`` moves the GRPO run directory (metrics.jsonl, plots, checkpoint).
@@ -72,17 +78,27 @@ def _vllm_available() -> bool:
     return True
 
 
+def write_task(out: Path) -> None:
+    """Train, SFT and validation draws of the same distribution (see the module docstring)."""
+    from grpo_npu.data.schema import GSM8K_DATA_SOURCE, write_parquet_atomic
+    from grpo_npu.data.synthetic import make_problems, rl_rows, sft_rows
+
+    def draw(n: int, stream: str):
+        return make_problems(n, DIFFICULTY, seed=0, stream=stream)
+
+    write_parquet_atomic(sft_rows(draw(SFT_SIZE, "sft"), "train", GSM8K_DATA_SOURCE), out / "sft_train.parquet")
+    write_parquet_atomic(rl_rows(draw(TRAIN_SIZE, "train"), "train", GSM8K_DATA_SOURCE), out / "train.parquet")
+    write_parquet_atomic(rl_rows(draw(TEST_SIZE, "val"), "test", GSM8K_DATA_SOURCE), out / "test.parquet")
+
+
 def prepare(cache_dir: str | os.PathLike | None = None, rollout: str | None = None) -> list[str]:
     """Build (or reuse) model, data and SFT warm start; return the GRPO command line."""
-    from grpo_npu.data.synthetic import write_synthetic
-
     root = Path(cache_dir) if cache_dir else default_cache_dir() / "default_job"
     root.mkdir(parents=True, exist_ok=True)
     base = build_tiny_model(root)
-    data = root / f"data-d{DIFFICULTY}"
+    data = root / f"task-d{DIFFICULTY}"
     if not (data / "test.parquet").exists():
-        write_synthetic(str(data), train_size=TRAIN_SIZE, test_size=TEST_SIZE, sft_size=SFT_SIZE,
-                        difficulty=DIFFICULTY, seed=0)
+        write_task(data)
     sft = root / "tiny-sft"
     stamp = json.dumps({"base": str(base), "steps": SFT_STEPS, "overrides": SFT_OVERRIDES, "difficulty": DIFFICULTY})
     if not (sft / "SFT_DONE").exists() or (sft / "SFT_DONE").read_text() != stamp:

@@ -2,8 +2,9 @@
 
 It runs the real job end to end: tiny kit, synthetic task, SFT warm start, then GRPO with a KL loss.
 The validation reward (4 sampled answers per test prompt) after GRPO must beat the one after SFT by
-LEARNING_MARGIN. Measured on 2 CPU cores: 0.20 after SFT -> see README ("The default job") for the
-figures this margin was set from; the margin leaves room for run-to-run noise (~0.03 std at 512 samples).
+LEARNING_MARGIN. Measured on 2 CPU cores (README, "The default job"): 0.102 after SFT -> 0.213 after
+60 GRPO steps; the margin is about half the measured gain, leaving room for run-to-run noise (one
+validation of 512 samples has ~0.016 std).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from grpo_npu.main_ppo import main
 
 pytestmark = pytest.mark.slow
 
-LEARNING_MARGIN = 0.08
+LEARNING_MARGIN = 0.06  # measured: 0.102 -> 0.213 (+0.111); one-measurement noise ~0.016 std
 VAL_KEY = "val-core/openai/gsm8k/reward/mean@4"
 
 
