@@ -20,11 +20,14 @@ The workload, identical on both sides:
 
 Method: each side runs in a fresh subprocess (imports, threads, allocator and process-group state
 stay apart), one warm-up step then N timed steps. A step is what each trainer itself calls a step:
-grpo_npu's ``timing_s/step`` (generate, reward, old/ref log-probs, advantages, update), TRL's
-``on_step_begin`` -> ``on_step_end`` (its generation, reward, reference forward, backward and optimizer
-step all happen inside). Step seconds are the best of the N; tokens per step (prompt + response,
-padding excluded) are counted by each trainer. The machine may be shared: the load average before and
-after is in the notes. TRL is a benchmark-only dependency (``pip install -e .[bench]``).
+grpo_npu from its rollout phase to the end of its update phase (generate, reward, old/ref log-probs,
+advantages, update), TRL from ``on_step_begin`` to ``on_step_end`` (its generation, reward, reference
+forward, backward and optimizer step all happen inside); on an accelerator the clock synchronizes the
+device at both ends. Step seconds are the best of the N, with the process CPU seconds of that step
+beside them (less sensitive than wall time to other processes on a shared machine). Tokens per step
+(prompt + response, padding excluded) are counted by each trainer, and the prompt part is checked
+against the shared prompts. The load average before and after is in the notes. TRL is a
+benchmark-only dependency (``pip install -e '.[bench]'``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,6 +54,9 @@ DEFAULT_THREADS = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("grpo_npu_hf", "trl", "grpo_npu_vllm")
 RESULT_FILE = "side.json"
+# Packing rows (remove padding) without a varlen attention kernel makes SDPA attend over the whole packed
+# micro-batch under a block-diagonal mask, quadratic in its length: measured 2x slower updates on CPU here.
+USE_REMOVE_PADDING = False
 # grpo_npu's timed sections between generation and the update (TRL does these inside its generate-and-score).
 SCORE_SECTIONS = ("reward", "old_log_prob", "ref", "adv")
 
@@ -80,6 +87,7 @@ class Workload:
 
 
 MODELS = ("tiny", "0.5b")
+SIZE_FIELDS = ("prompts", "n", "response_len", "micro_batch", "timed_steps")  # settable from the command line
 QUICK = Workload("tiny", prompts=2, n=4, response_len=16, micro_batch=8, timed_steps=2, threads=DEFAULT_THREADS)
 FULL = Workload("tiny", prompts=8, n=8, response_len=64, micro_batch=16, timed_steps=4, threads=DEFAULT_THREADS)
 # 500M parameters in fp32 on a 2-core CPU: small batch, short responses.
@@ -108,6 +116,33 @@ def prepare_inputs(work: Workload, root: Path) -> dict:
     return {"model": str(model), "train": str(files["train"]), "prompt_width": max(lengths), "prompt_tokens": sum(lengths)}
 
 
+class StepClock:
+    """Wall and process-CPU seconds of each step; ``measured`` drops the first (warm-up) step."""
+
+    def __init__(self, device: str) -> None:
+        from grpo_npu.device import get_device
+
+        self.synchronize = get_device(device).synchronize  # queued device work belongs to the step
+        self.wall_s: list[float] = []
+        self.cpu_s: list[float] = []
+        self._start = (0.0, 0.0)
+
+    def begin(self) -> None:
+        self.synchronize()
+        self._start = (time.perf_counter(), time.process_time())
+
+    def end(self) -> None:
+        self.synchronize()
+        self.wall_s.append(time.perf_counter() - self._start[0])
+        self.cpu_s.append(time.process_time() - self._start[1])
+
+    def measured(self, **per_step) -> dict:
+        out = {"step_s": self.wall_s[1:], "cpu_s": self.cpu_s[1:]}
+        for key, value in per_step.items():
+            out[key] = value[1:] if isinstance(value, list) else value
+        return out
+
+
 # ------------------------------------------------------------------------------------------------
 # Side 1: grpo_npu's Trainer
 # ------------------------------------------------------------------------------------------------
@@ -120,7 +155,9 @@ def grpo_npu_overrides(work: Workload, inputs: dict, rollout: str, run_dir: Path
         f"data.max_response_length={work.response_len}",
         f"actor_rollout_ref.model.path={inputs['model']}",
         "actor_rollout_ref.model.enable_gradient_checkpointing=True",
-        "actor_rollout_ref.model.use_remove_padding=False",
+        f"actor_rollout_ref.model.use_remove_padding={USE_REMOVE_PADDING}", "actor_rollout_ref.model.dtype=float32",
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=float32",
+        "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=float32",
         f"actor_rollout_ref.actor.optim.lr={work.lr}", "actor_rollout_ref.actor.optim.weight_decay=0.0",
         "actor_rollout_ref.actor.grad_clip=1.0", "actor_rollout_ref.actor.clip_ratio=0.2",
         "actor_rollout_ref.actor.loss_agg_mode=token-mean", "actor_rollout_ref.actor.entropy_coeff=0.0",
@@ -182,33 +219,6 @@ def run_grpo_npu(work: Workload, inputs: dict, rollout: str, out_dir: Path) -> d
     )
 
 
-class StepClock:
-    """Wall and process-CPU seconds of each step; ``measured`` drops the first (warm-up) step."""
-
-    def __init__(self, device: str) -> None:
-        from grpo_npu.device import get_device
-
-        self.synchronize = get_device(device).synchronize  # queued device work belongs to the step
-        self.wall_s: list[float] = []
-        self.cpu_s: list[float] = []
-        self._start = (0.0, 0.0)
-
-    def begin(self) -> None:
-        self.synchronize()
-        self._start = (time.perf_counter(), time.process_time())
-
-    def end(self) -> None:
-        self.synchronize()
-        self.wall_s.append(time.perf_counter() - self._start[0])
-        self.cpu_s.append(time.process_time() - self._start[1])
-
-    def measured(self, **per_step) -> dict:
-        out = {"step_s": self.wall_s[1:], "cpu_s": self.cpu_s[1:]}
-        for key, value in per_step.items():
-            out[key] = value[1:] if isinstance(value, list) else value
-        return out
-
-
 # ------------------------------------------------------------------------------------------------
 # Side 2: TRL's GRPOTrainer
 # ------------------------------------------------------------------------------------------------
@@ -234,14 +244,18 @@ def run_trl(work: Workload, inputs: dict, out_dir: Path) -> dict:
     import pyarrow.parquet as pq
     import torch
     from datasets import Dataset
+    from datasets.table import InMemoryTable
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_npu.reward.gsm8k import compute_score
 
     rows = pq.read_table(inputs["train"]).to_pylist()
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]}
-                                 for r in rows])
+    table = InMemoryTable.from_pylist([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]}
+                                       for r in rows])
+    # A fixed fingerprint: datasets would hash the table with dill, which fails on some Python 3.12 + pyarrow
+    # builds ("Can't pickle <class 'MonthDayNano'>"); nothing here is cached, so the name only has to be unique.
+    dataset = Dataset(table, fingerprint=f"bench-step-vs-trl-{os.getpid()}")
 
     def gsm8k_reward(completions, ground_truth, **kwargs) -> list[float]:
         return [compute_score(c[-1]["content"], gt) for c, gt in zip(completions, ground_truth)]
@@ -350,8 +364,11 @@ def run_side(side: str, work: Workload, inputs: dict, root: Path) -> dict:
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if proc.returncode != 0 or not (out / RESULT_FILE).exists():
+        log = Path(tempfile.gettempdir()) / f"bench-step_vs_trl-{side}.log"  # outlives the work directory
+        log.write_text(proc.stdout + proc.stderr)
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
-        raise RuntimeError(f"step_vs_trl side {side!r} failed (exit {proc.returncode}); last output:\n{tail}")
+        raise RuntimeError(f"step_vs_trl side {side!r} failed (exit {proc.returncode}); full output in {log}; "
+                           f"last lines:\n{tail}")
     measured = json.loads((out / RESULT_FILE).read_text())
     measured["process_s"] = wall
     return measured
@@ -363,8 +380,10 @@ def summarise(label: str, measured: dict) -> dict:
     step_s, sections = measured["step_s"][best], measured["sections"][best]
     tokens, response = measured["tokens"][best], measured["response_tokens"][best]
     return {
-        "side": label, "step_s": step_s, "steps_per_s": 1.0 / step_s, "tokens_per_s": tokens / step_s,
+        "side": label, "step_s": step_s, "step_s_median": statistics.median(measured["step_s"]),
+        "steps_per_s": 1.0 / step_s, "tokens_per_s": tokens / step_s,
         "response_tokens_per_s": response / step_s, "tokens_per_step": tokens, "response_tokens_per_step": response,
+        "prompt_tokens_per_step": tokens - response,
         "gen_s": sections["gen"], "score_s": sections["score"], "update_s": sections["update"],
         "cpu_s": measured["cpu_s"][best], "step_s_all": "/".join(f"{s:.3g}" for s in measured["step_s"]),
         "threads": measured["threads"], "process_s": measured["process_s"],
@@ -375,16 +394,16 @@ LABELS = {"grpo_npu_hf": "grpo_npu (rollout=hf)", "trl": "TRL GRPOTrainer", "grp
 TARGETS = {"grpo_npu_hf": "grpo_npu_hf_vs_trl_steps_per_s", "grpo_npu_vllm": "grpo_npu_vllm_vs_trl_steps_per_s"}
 
 
-def run(quick: bool = False, model: str = "tiny", device: str = "cpu", threads: int | None = None,
-        sides: tuple[str, ...] = SIDES) -> BenchResult:
-    """End-to-end GRPO step: grpo_npu vs TRL on the same workload."""
+def run(quick: bool = False, model: str = "tiny", device: str = "cpu", sides: tuple[str, ...] = SIDES,
+        **sizes) -> BenchResult:
+    """End-to-end GRPO step: grpo_npu vs TRL on the same workload; ``sizes`` override Workload fields."""
     from grpo_npu.device import resolve_kind
 
     unknown = set(sides) - set(SIDES)
     if unknown:
         raise ValueError(f"unknown sides {sorted(unknown)}; known: {list(SIDES)}")
     base = QUICK if quick else (FULL_05B if model == "0.5b" else FULL)
-    work = replace(base, model=model, device=resolve_kind(device), threads=threads or base.threads)
+    work = replace(base, model=model, device=resolve_kind(device), **{k: v for k, v in sizes.items() if v is not None})
     result = BenchResult(name="step_vs_trl")
     skipped = {side: why for side in sides if (why := missing_dependency(side))}
     load_before = os.getloadavg()
@@ -398,6 +417,12 @@ def run(quick: bool = False, model: str = "tiny", device: str = "cpu", threads: 
 
     rows = {side: summarise(LABELS[side], m) for side, m in measured.items()}
     result.rows = list(rows.values())
+    expected = {"prompt_tokens_per_step": inputs["prompt_tokens"] * work.n,
+                "response_tokens_per_step": work.prompts * work.n * work.response_len}
+    for side, row in rows.items():
+        for key, want in expected.items():
+            if row[key] != want:  # the comparison is void: say so loudly, next to the numbers
+                result.notes.append(f"WORKLOAD MISMATCH: {side} counted {row[key]} {key}, expected {want}")
     if "trl" in rows:
         for side, target in TARGETS.items():
             if side in rows:
@@ -435,15 +460,18 @@ def main(argv: list[str] | None = None) -> BenchResult | None:
     parser.add_argument("--model", default="tiny", choices=MODELS, help="tiny (default) or 0.5b: Qwen2.5-0.5B's shape")
     parser.add_argument("--device", default="cpu", choices=("cpu", "auto", "cuda", "npu"),
                         help="cpu (default); auto: the accelerator when there is one")
-    parser.add_argument("--threads", type=int, default=None, help=f"torch threads, every side (default {DEFAULT_THREADS})")
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES, help="which trainers to run")
+    parser.add_argument("--threads", type=int, default=None, help=f"torch threads, every side (default {DEFAULT_THREADS})")
+    for field in SIZE_FIELDS:
+        parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=None, help="override the preset's size")
     ours, rest = parser.parse_known_args(argv)
     if {"-h", "--help"} & set(rest):
         parser.print_help()
+    sizes = {field: getattr(ours, field) for field in ("threads", *SIZE_FIELDS)}
 
     def configured(quick: bool = False) -> BenchResult:
         """End-to-end GRPO step: grpo_npu vs TRL's GRPOTrainer (steps/s, tokens/s, ratio)."""
-        return run(quick=quick, model=ours.model, device=ours.device, threads=ours.threads, sides=tuple(ours.sides))
+        return run(quick=quick, model=ours.model, device=ours.device, sides=tuple(ours.sides), **sizes)
 
     return bench_main(configured, rest)
 

@@ -67,6 +67,7 @@ def test_step_vs_trl_sides_did_identical_work(suite):
         assert len(row["step_s_all"].split("/")) == work.timed_steps
         assert 0 < row["gen_s"] < row["step_s"] and 0 < row["update_s"] < row["step_s"]
     assert len({row["tokens_per_step"] for row in rows.values()}) == 1, "same prompts and lengths on every side"
+    assert not any("WORKLOAD MISMATCH" in n for n in result["notes"]), result["notes"]
     trl = rows.get(svt.LABELS["trl"])
     if trl is None:
         assert not result["targets"] and any("trl is not installed" in n for n in result["notes"])

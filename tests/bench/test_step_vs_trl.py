@@ -71,6 +71,7 @@ def test_summary_row_takes_the_fastest_step():
     }
     row = svt.summarise("x", measured)
     assert row["step_s"] == 1.0 and row["steps_per_s"] == 1.0 and row["tokens_per_s"] == 100.0
+    assert row["step_s_median"] == 2.0 and row["prompt_tokens_per_step"] == 36.0
     assert row["response_tokens_per_s"] == 64.0 and row["cpu_s"] == 0.9 and row["gen_s"] == 0.5
     assert row["step_s_all"] == "2/1/4"
 
