@@ -7,39 +7,32 @@ loss -- the same code path as a real run, sized for two CPU cores.
 
 from __future__ import annotations
 
-import logging
 import sys
 
-from grpo_npu.config import ConfigError, config_from_argv
+from grpo_npu.cli import exit_code, setup_logging
+from grpo_npu.config import config_from_argv
 
-log = logging.getLogger("grpo_npu")
+
+def train(argv: list[str]) -> None:
+    if not argv:
+        from grpo_npu import default_job
+
+        argv = default_job.prepare()
+    cfg, _ = config_from_argv(argv)
+    if cfg is None:  # --help or --cfg
+        return
+    from grpo_npu.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        if not argv:
-            from grpo_npu import default_job
-
-            argv = default_job.prepare()
-        cfg, _ = config_from_argv(argv)
-        if cfg is None:  # --help or --cfg
-            return 0
-        from grpo_npu.trainer import Trainer
-
-        trainer = Trainer(cfg)
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    setup_logging()
+    return exit_code(lambda: train(list(sys.argv[1:] if argv is None else argv)))
 
 
 if __name__ == "__main__":

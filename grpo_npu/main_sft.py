@@ -10,33 +10,28 @@ Face format (loadable by from_pretrained and vLLM).
 
 from __future__ import annotations
 
-import logging
 import sys
 
-from grpo_npu.config import ConfigError, config_from_argv
+from grpo_npu.cli import exit_code, setup_logging
+from grpo_npu.config import config_from_argv
+
+# SFT has no rollout and no critic: one response per prompt, the policy alone.
+SFT_DEFAULTS = ["actor_rollout_ref.rollout.n=1", "critic.enable=False"]
+
+
+def sft(argv: list[str]) -> None:
+    export = [a.split("=", 1)[1] for a in argv if a.startswith("export_dir=")]
+    cfg, _ = config_from_argv(SFT_DEFAULTS + [a for a in argv if not a.startswith("export_dir=")])
+    if cfg is None:
+        return
+    from grpo_npu.sft import run_sft
+
+    run_sft(cfg, export_dir=export[-1] if export else None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    export = [a for a in argv if a.startswith("export_dir=")]
-    argv = [a for a in argv if not a.startswith("export_dir=")]
-    # SFT has no rollout: the mini-batch is the whole batch of (prompt, response) pairs.
-    defaults = ["actor_rollout_ref.rollout.n=1", "critic.enable=False"]
-    try:
-        cfg, _ = config_from_argv(defaults + argv)
-        if cfg is None:
-            return 0
-        from grpo_npu.sft import run_sft
-
-        run_sft(cfg, export_dir=export[-1].split("=", 1)[1] if export else None)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    setup_logging()
+    return exit_code(lambda: sft(list(sys.argv[1:] if argv is None else argv)))
 
 
 if __name__ == "__main__":
