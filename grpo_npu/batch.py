@@ -108,6 +108,9 @@ class RolloutBatch:
         """Stack batches row-wise; prompt and response widths are padded to the widest."""
         if not batches:
             raise ValueError("concat needs at least one batch")
+        # Zero-row batches (e.g. a DAPO round whose groups were all filtered) carry empty metadata
+        # lists; they add nothing and must not make the others' metadata look absent.
+        batches = [b for b in batches if len(b)] or list(batches[:1])
         p_width = max(b.prompt_ids.shape[1] for b in batches)
         t_width = max(b.response_ids.shape[1] for b in batches)
         changes: dict[str, Any] = {}
