@@ -406,9 +406,9 @@ class Trainer:
             return torch.tensor([float(e.get("acc", e["score"])) for e in batch.reward_extra])
         if metric == "score":
             return torch.tensor([float(e["score"]) for e in batch.reward_extra])
-        if metric == "seq_reward":
-            return batch.token_level_scores.sum(-1)
-        # seq_final_reward: the reward after shaping (overlong), i.e. the token-level scores' sum
+        # seq_reward sums the token-level scores (overlong shaping included); seq_final_reward is the
+        # same sum after KL-in-reward in verl, which this loop applies only after filtering, so the
+        # two coincide at this point.
         return batch.token_level_scores.sum(-1)
 
     def _step_metrics(self, batch: RolloutBatch, timer: Timer) -> dict[str, float]:
