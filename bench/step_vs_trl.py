@@ -99,6 +99,7 @@ FULL_05B = Workload("0.5b", prompts=2, n=4, response_len=32, micro_batch=4, time
 # ------------------------------------------------------------------------------------------------
 def prepare_inputs(work: Workload, root: Path) -> dict:
     """Write the model path, the B-prompt parquet and its prompt width; the same files feed both sides."""
+    import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
     from grpo_npu.data.synthetic import write_synthetic
@@ -107,8 +108,6 @@ def prepare_inputs(work: Workload, root: Path) -> dict:
     spec = TINY if work.model == "tiny" else QWEN2_5_0_5B_SHAPE
     model = build_tiny_model(spec=spec)  # cached under $GRPO_NPU_CACHE
     files = write_synthetic(str(root / "data"), train_size=work.prompts, test_size=1, seed=work.seed, write_sft=False)
-    import pyarrow.parquet as pq
-
     rows = pq.read_table(files["train"]).to_pylist()
     tokenizer = AutoTokenizer.from_pretrained(model)
     texts = tokenizer.apply_chat_template([r["prompt"] for r in rows], add_generation_prompt=True, tokenize=False)
@@ -147,6 +146,7 @@ class StepClock:
 # Side 1: grpo_npu's Trainer
 # ------------------------------------------------------------------------------------------------
 def grpo_npu_overrides(work: Workload, inputs: dict, rollout: str, run_dir: Path) -> list[str]:
+    """The command-line overrides that give grpo_npu's Trainer the shared workload."""
     micro = work.micro_batch
     return [
         "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=True",
@@ -178,6 +178,9 @@ def grpo_npu_overrides(work: Workload, inputs: dict, rollout: str, run_dir: Path
         "trainer.resume_mode=disable", "trainer.val_before_train=False", "trainer.test_freq=-1",
         "trainer.save_freq=-1", "trainer.logger=['jsonl']", f"trainer.total_training_steps={1 + work.timed_steps}",
         f"trainer.seed={work.seed}",
+        # fit() always checkpoints its last step (outside the timed steps); the optimizer state is not needed
+        # and, for the 0.5B shape, its full gather is what pushes a 24 GB machine over the edge.
+        "actor_rollout_ref.actor.checkpoint.save_contents=['model']",
     ]
 
 
