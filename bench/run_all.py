@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes for CI; ratios are indicative only")
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=None, metavar="NAME",
                         help=f"run only these, in the given order (known: {', '.join(BENCHMARKS)})")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where the JSON files go (default bench/results)")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR,
+                        help="where the JSON files go (default bench/results)")
     args = parser.parse_args(argv)
     summary, crashed = run_all(list(args.only or BENCHMARKS), args.quick, args.out_dir, PACKAGE)
     print("\n" + summary.table())

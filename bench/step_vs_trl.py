@@ -81,7 +81,8 @@ class Workload:
         if self.model not in MODELS:
             raise ValueError(f"model={self.model!r}; known: {sorted(MODELS)}")
         if (self.prompts * self.n) % self.micro_batch:
-            raise ValueError(f"prompts x n = {self.prompts} x {self.n} is not a multiple of micro_batch={self.micro_batch}")
+            raise ValueError(f"prompts x n = {self.prompts} x {self.n} is not a multiple of "
+                             f"micro_batch={self.micro_batch}")
         if self.timed_steps < 1 or self.threads < 1 or self.beta <= 0:
             raise ValueError("timed_steps and threads must be >= 1 and beta > 0")
 
@@ -112,7 +113,8 @@ def prepare_inputs(work: Workload, root: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model)
     texts = tokenizer.apply_chat_template([r["prompt"] for r in rows], add_generation_prompt=True, tokenize=False)
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    return {"model": str(model), "train": str(files["train"]), "prompt_width": max(lengths), "prompt_tokens": sum(lengths)}
+    return {"model": str(model), "train": str(files["train"]), "prompt_width": max(lengths),
+            "prompt_tokens": sum(lengths)}
 
 
 class StepClock:
@@ -304,8 +306,9 @@ def run_trl(work: Workload, inputs: dict, out_dir: Path) -> dict:
     clock, hooks = StepClock(work.device), Hooks()
     tokenizer = AutoTokenizer.from_pretrained(inputs["model"])
     model = AutoModelForCausalLM.from_pretrained(inputs["model"], dtype=torch.float32)
-    trainer = TimedGRPOTrainer(model=model, reward_funcs=gsm8k_reward, args=GRPOConfig(**trl_config_kwargs(work, out_dir)),
-                               train_dataset=dataset, processing_class=tokenizer, callbacks=[hooks])
+    args = GRPOConfig(**trl_config_kwargs(work, out_dir))
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=gsm8k_reward, args=args, train_dataset=dataset,
+                               processing_class=tokenizer, callbacks=[hooks])
     trainer.train()
     tokens = [b - a for a, b in zip([0.0] + hooks.num_tokens, hooks.num_tokens)]  # num_tokens is cumulative
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
@@ -464,7 +467,8 @@ def main(argv: list[str] | None = None) -> BenchResult | None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "auto", "cuda", "npu"),
                         help="cpu (default); auto: the accelerator when there is one")
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES, help="which trainers to run")
-    parser.add_argument("--threads", type=int, default=None, help=f"torch threads, every side (default {DEFAULT_THREADS})")
+    parser.add_argument("--threads", type=int, default=None,
+                        help=f"torch threads, every side (default {DEFAULT_THREADS})")
     for field in SIZE_FIELDS:
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=None, help="override the preset's size")
     ours, rest = parser.parse_known_args(argv)

@@ -40,7 +40,8 @@ def test_grpo_npu_side_does_one_optimizer_step_per_generation_batch(inputs, tmp_
     assert d.use_reference and cfg.actor_rollout_ref.actor.kl_loss_coef == work.beta
     assert d.response_length == 24 and d.prompt_length == inputs["prompt_width"]
     rollout = cfg.actor_rollout_ref.rollout
-    assert (rollout.name, rollout.n, rollout.ignore_eos, rollout.temperature, rollout.top_p) == ("hf", 4, True, 1.0, 1.0)
+    sampling = (rollout.name, rollout.n, rollout.ignore_eos, rollout.temperature, rollout.top_p)
+    assert sampling == ("hf", 4, True, 1.0, 1.0)
     assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing
     assert list(cfg.data.train_files) == [inputs["train"]] and not cfg.data.shuffle
     assert cfg.trainer.total_training_steps == 1 + work.timed_steps
