@@ -122,10 +122,9 @@ class RolloutBatch:
             if any(p is None for p in parts):
                 raise ValueError(f"RolloutBatch.concat: {name} is set in some batches but not others")
             if name in ("prompt_ids", "prompt_mask"):
-                pad_value = 0
-                parts = [_pad_left(p, p_width, pad_value) for p in parts]
+                parts = [_pad_left(p, p_width, 0) for p in parts]
             else:
-                parts = [_pad_right(p, t_width, 0) for p in parts]
+                parts = [pad_right(p, t_width, 0) for p in parts]
             changes[name] = torch.cat(parts, dim=0)
         for name in LIST_FIELDS:
             lists = [getattr(b, name) for b in batches]
@@ -151,7 +150,8 @@ def _pad_left(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
     return torch.cat([pad, t], dim=1)
 
 
-def _pad_right(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+def pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    """(B, w) -> (B, width): ``value`` appended on the right of each row."""
     if t.shape[1] == width:
         return t
     pad = t.new_full((t.shape[0], width - t.shape[1]) + tuple(t.shape[2:]), value)

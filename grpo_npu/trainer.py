@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import signal
 import time
 from collections import defaultdict
@@ -24,7 +23,7 @@ from grpo_npu import config as C
 from grpo_npu.algo.advantages import compute_advantage
 from grpo_npu.algo.dapo import filter_groups
 from grpo_npu.algo.kl import apply_kl_in_reward, make_kl_controller
-from grpo_npu.batch import RolloutBatch
+from grpo_npu.batch import RolloutBatch, pad_right
 from grpo_npu.checkpoint import CheckpointManager
 from grpo_npu.data.rl_dataset import PromptBatch, PromptLoader, RLDataset
 from grpo_npu.device import get_device
@@ -33,6 +32,7 @@ from grpo_npu.reward.manager import get_reward_manager
 from grpo_npu.reward.score import make_compute_score
 from grpo_npu.rollout import training_sampling, validation_sampling
 from grpo_npu.rollout.base import SamplingConfig
+from grpo_npu.tools import write_atomic
 from grpo_npu.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -471,13 +471,9 @@ class Trainer:
 
 def _cat_right_padded(parts: list[torch.Tensor], value) -> torch.Tensor:
     width = max(p.shape[1] for p in parts)
-    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=value) for p in parts], dim=0)
+    return torch.cat([pad_right(p, width, value) for p in parts], dim=0)
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row, default=str) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(row, default=str) + "\n" for row in rows).encode())
