@@ -256,6 +256,8 @@ class ActorConfig:
     """torch.compile the log-prob/entropy computation."""
     ppo_epochs: int = 1
     """Passes over each batch per step."""
+    old_log_prob: str = choice("auto", ("auto", "recompute"))
+    """auto: one optimizer step on the whole batch reuses its forward as old log-probs; recompute: separate pass."""
     shuffle: bool = False
     """Shuffle responses before splitting into mini-batches."""
     data_loader_seed: Optional[int] = None
@@ -998,6 +1000,7 @@ class Derived:
     log_prob_max_token_len: int
     ref_log_prob_use_dynamic_bsz: bool
     ref_log_prob_max_token_len: int
+    reuse_update_log_prob: bool = False  # old log-probs come from the update's forward (actor.old_log_prob=auto)
 
 
 def derive(cfg: Config, world_size: int | None = None) -> Derived:
@@ -1084,6 +1087,8 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
         log_prob_max_token_len=rollout.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu,
         ref_log_prob_use_dynamic_bsz=ref_dyn,
         ref_log_prob_max_token_len=arr.ref.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu,
+        reuse_update_log_prob=(actor.old_log_prob == "auto" and actor.ppo_epochs == 1
+                               and actor.ppo_mini_batch_size == d.train_batch_size and not alg.use_kl_in_reward),
     )
 
 

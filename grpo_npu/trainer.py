@@ -177,7 +177,7 @@ class Trainer:
                     if not self._finite_rewards(batch):
                         self._bad_step(step, "non-finite rewards")
                         continue
-                    batch, model_metrics = self.score_with_models(batch, timer)
+                    batch, model_metrics = self.score_with_models(batch, step, timer)
                     metrics.update(model_metrics)
                     batch, adv_metrics = self.advantages(batch, timer)
                     metrics.update(adv_metrics)
@@ -271,14 +271,21 @@ class Trainer:
         out = reward_fn(batch.response_ids, batch.response_mask, batch.data_source, batch.ground_truth, batch.extra_info)
         return batch.replace(token_level_scores=out.token_level_scores, reward_extra=out.extra)
 
-    def score_with_models(self, batch: RolloutBatch, timer: Timer) -> tuple[RolloutBatch, dict[str, float]]:
-        """Old log-probs (actor), reference log-probs and values, on balanced rank shards."""
+    def reuses_update_log_prob(self, step: int) -> bool:
+        """The actor update supplies the old log-probs itself (on-policy; see actor.old_log_prob)."""
+        return self.derived.reuse_update_log_prob and step > self.cfg.trainer.critic_warmup
+
+    def score_with_models(self, batch: RolloutBatch, step: int, timer: Timer) -> tuple[RolloutBatch, dict[str, float]]:
+        """Old log-probs (actor, unless the update reuses its forward), reference log-probs and values,
+        on balanced rank shards."""
         if self.cfg.trainer.balance_batch:
             order = balance_order((batch.prompt_lengths + batch.response_lengths).tolist(), self.world_size)
             batch = batch.select(order)
-        with timer("old_log_prob"):
-            old_logp, metrics = self.workers.compute_log_prob(batch)
-            batch = batch.replace(old_logp=old_logp)
+        metrics: dict[str, float] = {}
+        if not self.reuses_update_log_prob(step):
+            with timer("old_log_prob"):
+                old_logp, metrics = self.workers.compute_log_prob(batch)
+                batch = batch.replace(old_logp=old_logp)
         if self.derived.use_reference:
             with timer("ref"):
                 batch = batch.replace(ref_logp=self.workers.compute_ref_log_prob(batch))
@@ -311,7 +318,7 @@ class Trainer:
         if step > self.cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 metrics.update(self.workers.update_actor(batch))
-        if batch.rollout_logp is not None:
+        if batch.rollout_logp is not None and batch.old_logp is not None:  # else the update reported them
             from grpo_npu.rollout import logp_diff_metrics
 
             metrics.update({k: float(v) for k, v in

@@ -202,3 +202,17 @@ def test_derived_values_are_not_written_back():
     assert (d.clip_low, d.clip_high) == (0.2, 0.28)
     assert cfg.actor_rollout_ref.actor.clip_ratio_low is None  # still unset in the config itself
     assert cfg.actor_rollout_ref.rollout.response_length is None and d.response_length == 512
+
+
+@pytest.mark.parametrize("overrides,reuse", [
+    ((), True),
+    (("actor_rollout_ref.actor.old_log_prob=recompute",), False),
+    (("actor_rollout_ref.actor.ppo_epochs=2",), False),
+    (("actor_rollout_ref.actor.ppo_mini_batch_size=4",), False),
+    (("algorithm.use_kl_in_reward=True",), False),
+])
+def test_update_reuses_its_forward_as_old_log_probs_only_on_policy(overrides, reuse):
+    """One optimizer step on the whole batch, nothing reading old log-probs before it: reuse; else a separate pass."""
+    cfg = load_config(["trainer.n_gpus_per_node=1", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", *overrides])
+    assert derive(cfg, 1).reuse_update_log_prob is reuse

@@ -107,12 +107,15 @@ def test_grpo_two_ray_workers_with_vllm(tiny_model_path, task, tmp_path):
         "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         "actor_rollout_ref.actor.checkpoint.save_contents=['model','optimizer','extra','hf_model']",
         "actor_rollout_ref.rollout.calculate_log_probs=True",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one optimizer step per batch: on-policy
     ))
-    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "perf/throughput",
-                "timing_s/gen", "timing_s/update_actor", "response_length/mean"):
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean",
+                "perf/throughput", "timing_s/gen", "timing_s/update_actor", "response_length/mean"):
         assert key in last, key
+    # on-policy: the update's forward gave the old log-probs (no separate pass), ratio exactly 1
+    assert "timing_s/old_log_prob" not in last and last["actor/ppo_kl"] == 0.0
     # the engine's log-probs agree with the actor's after the weight sync (a broken sync shows here)
-    assert last["rollout/logp_diff_max"] < 1e-2
+    assert 0.0 < last["rollout/logp_diff_max"] < 1e-2
     assert_trained(tiny_model_path, run_dir, steps=2)
 
 

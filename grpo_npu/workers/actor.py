@@ -146,10 +146,12 @@ class CausalLMLogProbs(ResponseModel):
         """transformers ``generate`` of the wrapped model (an FSDP forward method: the root is gathered).
 
         With several ranks every decoding step is a collective (each layer gathers its shards), so all
-        ranks keep stepping until the last one is done (``synced_gpus``).
+        ranks keep stepping until the last one is done (``synced_gpus``). The layers are gathered once for
+        the whole call rather than once per token.
         """
         kwargs.setdefault("synced_gpus", dist.is_initialized() and dist.get_world_size() > 1)
-        return self.hf.generate(*args, **kwargs)
+        with fsdp.gathered(self):
+            return self.hf.generate(*args, **kwargs)
 
 
 # ================================================================================================
@@ -391,27 +393,41 @@ class Actor(Policy):
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """ppo_epochs over mini-batches of this rank's rows; one scheduler step. Collective.
 
-        Needs old_logp and advantages (and ref_logp when use_kl_loss). Returns verl-named metrics,
-        reduced over ranks, micro-batches and mini-batches.
+        Needs advantages (and ref_logp when use_kl_loss) and old_logp, except on-policy: a batch without
+        old_logp when the config reuses the update's forward (``Derived.reuse_update_log_prob``: one
+        epoch, one mini-batch), where old = the detached log-probs of that forward, which is where the
+        separate pass would have been computed, and ``actor/entropy`` and ``rollout/logp_diff_*`` come
+        from it too. Returns verl-named metrics, reduced over ranks, micro-batches and mini-batches.
         """
         cfg, dev = self.cfg, self.dev
-        if batch.old_logp is None or batch.advantages is None:
-            raise ValueError("update_actor: the batch needs old_logp and advantages")
+        on_policy = batch.old_logp is None
+        if batch.advantages is None:
+            raise ValueError("update_actor: the batch needs advantages")
+        if on_policy and not self.derived.reuse_update_log_prob:
+            raise ValueError("update_actor: the batch needs old_logp (the update's forward is reused only with "
+                             "actor.old_log_prob=auto, ppo_epochs=1 and ppo_mini_batch_size=train_batch_size)")
+        if on_policy and len(batch) != self.derived.mini_batch_responses_per_rank:
+            raise ValueError(f"update_actor: on-policy reuse needs the whole batch as one mini-batch: {len(batch)} "
+                             f"rows on this rank, mini-batch {self.derived.mini_batch_responses_per_rank}")
         if cfg.use_kl_loss and batch.ref_logp is None:
             raise ValueError("update_actor: actor.use_kl_loss=True needs ref_logp in the batch")
         self.module.train()
         lr = self.optimizer.param_groups[0]["lr"]
         sums = torch.zeros(len(_SUM_KEYS), dtype=torch.float64, device=dev.torch_device())
+        diff_max = torch.zeros(1, dtype=torch.float64, device=dev.torch_device())
         grad_norms, skipped = [], 0
         with params_on(self.module, dev, self.param_offload), optimizer_on(self.optimizer, dev, cfg.fsdp_config.optimizer_offload):
             for _ in range(cfg.ppo_epochs):
                 for rows in mini_batches(len(batch), self.derived.mini_batch_responses_per_rank, self.shuffle):
-                    sums += self.backward_mini_batch(batch.select(rows))
+                    mini_sums, mini_max = self.backward_mini_batch(batch.select(rows), on_policy)
+                    sums += mini_sums
+                    diff_max = torch.maximum(diff_max, mini_max)
                     norm, stepped = clip_and_step(self.params, self.optimizer, cfg.grad_clip)
                     grad_norms.append(norm)
                     skipped += int(not stepped)
         step_scheduler(self.scheduler)
         fsdp.all_reduce(sums)
+        fsdp.all_reduce(diff_max, "max")
         total = dict(zip(_SUM_KEYS, sums.tolist()))
         steps = max(len(grad_norms), 1)
         tokens = max(total["tokens"], 1.0)
@@ -427,14 +443,18 @@ class Actor(Policy):
         if cfg.use_kl_loss:
             metrics["actor/kl_loss"] = total["kl_loss"] / steps
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
-        if cfg.entropy_coeff != 0:
+        if cfg.entropy_coeff != 0 or on_policy:
             metrics["actor/entropy"] = total["entropy"] / steps
+        if on_policy and batch.rollout_logp is not None:
+            metrics["rollout/logp_diff_mean"] = total["logp_diff"] / tokens
+            metrics["rollout/logp_diff_max"] = float(diff_max.item())
         return metrics
 
-    def backward_mini_batch(self, mini: RolloutBatch) -> torch.Tensor:
+    def backward_mini_batch(self, mini: RolloutBatch, on_policy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward every micro-batch of one mini-batch, accumulating gradients (no step).
 
-        Returns this rank's metric sums (see _SUM_KEYS). Collective.
+        Returns this rank's metric sums (see _SUM_KEYS) and the max |rollout - old log-prob| (on-policy
+        with rollout log-probs; else 0). Collective.
         """
         cfg, d, dev = self.cfg, self.derived, self.dev
         num_tokens, num_seqs = losses.agg_counts(mini.response_mask)
@@ -444,31 +464,41 @@ class Actor(Policy):
                                     max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None, dev=dev)
         scale = dist.get_world_size()  # FSDP averages gradients over ranks; the losses are global sums
         sums = torch.zeros(len(_SUM_KEYS), dtype=torch.float64, device=dev.torch_device())
-        with_entropy = cfg.entropy_coeff != 0
+        diff_max = torch.zeros(1, dtype=torch.float64, device=dev.torch_device())
+        with_entropy = cfg.entropy_coeff != 0 or on_policy  # on-policy: actor/entropy comes from this forward
         for rows in groups:
             micro = trim_padding(mini.select(rows)).to(dev.torch_device())
             mask = micro.response_mask
             logp, entropy = self.forward(micro, with_entropy)
+            old_logp = logp.detach() if on_policy else micro.old_logp  # (b, T): ratio exactly 1 on-policy
             pg_loss, m = self.policy_loss_fn(
-                logp, micro.old_logp, micro.advantages, mask, clip_low=d.clip_low, clip_high=d.clip_high,
+                logp, old_logp, micro.advantages, mask, clip_low=d.clip_low, clip_high=d.clip_high,
                 clip_c=cfg.clip_ratio_c, agg_mode=cfg.loss_agg_mode, **agg,
             )
             loss = pg_loss
-            kl_loss = ent_loss = torch.zeros((), device=logp.device)
+            kl_loss = ent_loss = diff_sum = torch.zeros((), device=logp.device)
             if cfg.use_kl_loss:
                 kl = kl_lib.kl_penalty(logp, micro.ref_logp, cfg.kl_loss_type)
                 kl_loss = losses.agg_loss(kl, mask, cfg.loss_agg_mode, **agg)
                 loss = loss + cfg.kl_loss_coef * kl_loss
             if with_entropy:
-                ent_loss = losses.agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
+                ent = entropy if cfg.entropy_coeff != 0 else entropy.detach()
+                ent_loss = losses.agg_loss(ent, mask, cfg.loss_agg_mode, **agg)
+            if cfg.entropy_coeff != 0:
                 loss = loss - cfg.entropy_coeff * ent_loss
+            if on_policy and micro.rollout_logp is not None:
+                diff = (micro.rollout_logp.float() - old_logp.float()).abs()[mask.bool()]  # (n,) valid tokens
+                if diff.numel():
+                    diff_sum = diff.sum()
+                    diff_max = torch.maximum(diff_max, diff.max().double().reshape(1))
             (loss * scale).backward()
             n = mask.bool().sum()
             sums += torch.stack([
                 pg_loss.detach().double(), m["pg_clipfrac"].double() * n, m["pg_clipfrac_lower"].double() * n,
                 m["ppo_kl"].double() * n, kl_loss.detach().double(), ent_loss.detach().double(), n.double(),
+                diff_sum.double(),
             ])
-        return sums
+        return sums, diff_max
 
     # -- state ------------------------------------------------------------------------------------
     def state_extra(self) -> dict:
@@ -484,7 +514,7 @@ class Actor(Policy):
 # Local per-step sums reduced across ranks once per update: losses are already globally normalised
 # per mini-batch (sum over micro-batches and ranks = the mini-batch loss); token-mean metrics are
 # weighted by each micro-batch's token count.
-_SUM_KEYS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss", "entropy", "tokens")
+_SUM_KEYS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss", "entropy", "tokens", "logp_diff")
 
 
 @contextmanager

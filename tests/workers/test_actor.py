@@ -220,8 +220,43 @@ def test_compute_log_prob_reports_entropy_and_validates(tiny_model_path):
     holey.response_mask[0, :3] = torch.tensor([1, 0, 1])
     with pytest.raises(ValueError, match=r"row 0: response_mask must be right-padded"):
         worker.compute_log_prob(holey)
-    with pytest.raises(ValueError, match="needs old_logp and advantages"):
+    with pytest.raises(ValueError, match="needs advantages"):
         worker.update_actor(batch.replace(advantages=None))
+
+
+def test_on_policy_update_reuses_its_forward_as_old_log_probs(tiny_model_path):
+    """actor.old_log_prob=auto: an update without old_logp equals the separate pass + update (weights and
+    every metric, actor/entropy and rollout/logp_diff_* included); recompute refuses a batch without them."""
+    from grpo_npu.rollout import logp_diff_metrics
+
+    batch = make_batch(seed=8)
+    ref_logp, _, _ = _reference_logp(tiny_model_path, batch)
+    mask = batch.response_mask
+    noise = torch.randn(batch.response_ids.shape, generator=torch.Generator().manual_seed(1))
+    batch = batch.replace(ref_logp=(ref_logp - 0.1).float() * mask, rollout_logp=(ref_logp + 0.01 * noise).float() * mask)
+    runs = {}
+    for mode in ("recompute", "auto"):
+        worker = make_worker(make_cfg(tiny_model_path, f"actor_rollout_ref.actor.old_log_prob={mode}",
+                                      "actor_rollout_ref.actor.use_kl_loss=True",
+                                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                                      "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3"))
+        assert worker.derived.reuse_update_log_prob == (mode == "auto")
+        if mode == "recompute":
+            with pytest.raises(ValueError, match="needs old_logp"):
+                worker.update_actor(batch)
+            old_logp, metrics = worker.compute_log_prob(batch)
+            metrics.update(worker.update_actor(batch.replace(old_logp=old_logp)))
+            metrics.update(logp_diff_metrics(batch.rollout_logp, old_logp, mask))
+        else:
+            metrics = worker.update_actor(batch)
+        runs[mode] = (metrics, full_weights(worker.actor.module.hf))
+    (base, base_weights), (metrics, weights) = runs["recompute"], runs["auto"]
+    assert set(metrics) == set(base)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "rollout/logp_diff_mean",
+                "rollout/logp_diff_max"):
+        assert metrics[key] == pytest.approx(base[key], rel=1e-5), key
+    assert metrics["actor/ppo_kl"] == 0.0 and metrics["actor/pg_clipfrac"] == 0.0  # ratio exactly 1
+    assert max_abs_diff(weights, base_weights) < 1e-7
 
 
 def test_state_dict_stream_and_hf_export(tiny_model_path, tmp_path):
@@ -264,3 +299,37 @@ def test_checkpoint_resume_equals_uninterrupted(tiny_model_path, tmp_path):
     assert len(a.actor.optimizer.state) == len(b.actor.optimizer.state) > 0
     with pytest.raises(FileNotFoundError, match="no dcp"):
         b.load_checkpoint(str(tmp_path / "missing"))
+
+
+def test_hf_generate_gathers_each_layer_once_and_reshards(tiny_model_path, monkeypatch):
+    """The hf rollout through the FSDP actor: same greedy tokens as the plain model, one gather per FSDP unit
+    for the whole generate (not one per token), every unit resharded and its reshard setting restored."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from grpo_npu.rollout import SamplingConfig
+
+    gathers = []
+    real_unshard = FSDPParamGroup.unshard
+
+    def counting(group, *args, **kwargs):
+        if not group.is_unsharded and group._all_gather_result is None:
+            gathers.append(group)
+        return real_unshard(group, *args, **kwargs)
+
+    worker = make_worker(make_cfg(tiny_model_path), with_rollout=True)
+    units = [m for m in worker.actor.module.modules() if isinstance(m, FSDPModule)]
+    settings = [fsdp._reshard_setting(m) for m in units]
+    batch = make_batch(seed=9)
+    monkeypatch.setattr(FSDPParamGroup, "unshard", counting)
+    out = worker.generate(batch.prompt_ids, batch.prompt_mask, SamplingConfig(do_sample=False, max_new_tokens=6,
+                                                                             ignore_eos=True))
+    monkeypatch.setattr(FSDPParamGroup, "unshard", real_unshard)
+    assert len(gathers) == len(units) > 2  # 6 tokens x 4 layers would be 24+ per-forward gathers
+    assert all(not g.is_unsharded for m in units for g in m._get_fsdp_state()._fsdp_param_groups)
+    assert [fsdp._reshard_setting(m) for m in units] == settings
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    want = plain.generate(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, do_sample=False,
+                          max_new_tokens=6, min_new_tokens=6, pad_token_id=0, eos_token_id=[])
+    assert torch.equal(out.response_ids, want[:, batch.prompt_ids.shape[1]:])

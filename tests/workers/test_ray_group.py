@@ -118,7 +118,7 @@ def test_two_ranks_equal_one_rank(groups, tiny_model_path, tmp_path):
 
 def test_worker_errors_name_rank_and_method(groups):
     _, ray_group = groups
-    with pytest.raises(WorkerError, match=r"rank [01] failed in update_actor\(\)(.|\n)*needs old_logp") as info:
+    with pytest.raises(WorkerError, match=r"rank [01] failed in update_actor\(\)(.|\n)*needs advantages") as info:
         ray_group.chunk_and_call("update_actor", make_batch(seed=31).replace(advantages=None))
     assert info.value.rank in (0, 1)
     with pytest.raises(ValueError, match="2 ranks, got 1"):
