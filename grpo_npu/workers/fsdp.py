@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import socket
-from contextlib import closing
+from contextlib import closing, contextmanager
 from typing import Any, Iterator
 
 import torch
@@ -394,3 +394,39 @@ def reshard_all(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
+
+
+@contextmanager
+def gathered(module: nn.Module) -> Iterator[None]:
+    """Every FSDP unit of ``module`` stays unsharded for the block, then is resharded.
+
+    transformers ``generate`` calls forward once per new token; with FSDP's per-forward gather and
+    free that is one all-gather per layer per token (1.9x a plain model's generate time measured on
+    an H100). Gathered once, the block pays one all-gather per layer and holds the full parameters,
+    as verl's summon_full_params around its HF rollout does.
+    """
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    saved = [_reshard_setting(m) for m in units]
+    try:
+        for m in units:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.unshard()
+        yield
+    finally:
+        for m, setting in zip(units, saved):
+            _restore_reshard_setting(m, setting)
+            m.reshard()
+
+
+def _reshard_setting(m: FSDPModule) -> tuple:
+    """FSDP2 keeps reshard-after-forward per parameter group with no public getter: read its fields."""
+    state = m._get_fsdp_state()
+    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+
+
+def _restore_reshard_setting(m: FSDPModule, setting: tuple) -> None:
+    auto, infos = setting
+    state = m._get_fsdp_state()
+    state._auto_reshard_after_forward = auto
+    for group, info in zip(state._fsdp_param_groups, infos):
+        group.post_forward_mesh_info = info
