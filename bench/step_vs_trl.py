@@ -444,8 +444,8 @@ def run(quick: bool = False, model: str = "tiny", device: str = "cpu", sides: tu
         "step = each trainer's own step (grpo_npu: rollout .. update; TRL: on_step_begin .. on_step_end); gen_s = "
         "generation, score_s = reward + old/ref log-probs + advantages, update_s = the rest (forward, backward, "
         "optimizer); tokens = prompt + response tokens without padding, as each trainer counts them",
-        "grpo_npu computes old log-probs in a separate forward (verl semantics); TRL skips it when a batch is used "
-        "for exactly one optimizer step (old = detached current log-probs)",
+        "one optimizer step per batch: both trainers take the old log-probs from the update's own forward (grpo_npu "
+        "actor.old_log_prob=auto, TRL num_iterations=1), so neither runs a separate old-policy pass",
         f"load average (1/5/15 min) before {_load(load_before)}, after {_load(load_after)}, on {os.cpu_count()} CPUs",
     ]
     if quick:
