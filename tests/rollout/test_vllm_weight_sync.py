@@ -177,3 +177,20 @@ def test_unknown_names_wrong_shapes_and_missing_tensors_raise(engine, tiny_hf):
 def test_unknown_path_is_refused(engine):
     with pytest.raises(ValueError, match="known: direct, reload"):
         vllm_rollout.load_weights_on_worker(None, iter(()), "copy")
+
+
+def _fake_worker(model: torch.nn.Module, mode):
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(compilation_config=SimpleNamespace(mode=mode))
+    return SimpleNamespace(model_runner=SimpleNamespace(model=model, vllm_config=config))
+
+
+def test_the_direct_path_refuses_compiled_models_and_layers_it_does_not_know():
+    from vllm.config import CompilationMode
+
+    unknown = torch.nn.Sequential(torch.nn.Linear(4, 4))  # a torch Linear: no vLLM post-load processing known
+    assert "0 (Linear) is not a plain linear" in vllm_rollout.direct_sync_unsupported(
+        _fake_worker(unknown, CompilationMode.NONE))
+    assert "compiled" in vllm_rollout.direct_sync_unsupported(_fake_worker(unknown, CompilationMode.VLLM_COMPILE))
+    assert "no model_runner.model" in vllm_rollout.direct_sync_unsupported(object())
