@@ -90,10 +90,10 @@ def _kernel_errors(engine, state: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def _perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """Every tensor moved by 0.05 x N(0, 1), the tied LM head kept equal to the embedding."""
+    """Every tensor moved by 0.05 x N(0, 1); a tied LM head (equal to the embedding) stays tied."""
     gen = torch.Generator().manual_seed(seed)
     out = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
-    if "lm_head.weight" in out:
+    if "lm_head.weight" in out and torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
 
