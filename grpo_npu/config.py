@@ -170,6 +170,8 @@ class ModelConfig:
     """Pack sequences without padding for log-prob and update passes."""
     use_fused_kernels: Optional[bool] = None
     """Patch the model with grpo_npu.ops fused kernels (None: on for NPU, off elsewhere)."""
+    share_prompt_prefix: bool = False
+    """Actor/reference passes run each distinct prompt of a micro-batch once for all its responses (packed)."""
     use_liger: bool = False
     """Kept for verl compatibility (Liger kernels are CUDA-only); must stay False."""
     lora_rank: int = 0

@@ -108,6 +108,7 @@ def test_grpo_two_ray_workers_with_vllm(tiny_model_path, task, tmp_path):
         "actor_rollout_ref.actor.checkpoint.save_contents=['model','optimizer','extra','hf_model']",
         "actor_rollout_ref.rollout.calculate_log_probs=True",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one optimizer step per batch: on-policy
+        "actor_rollout_ref.model.share_prompt_prefix=True",  # each prompt once for its 4 responses
     ))
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean",
                 "perf/throughput", "timing_s/gen", "timing_s/update_actor", "response_length/mean"):

@@ -22,7 +22,9 @@ Nothing happens at import time. Mechanism, per op, and why:
   switches this model's ``attn_implementation`` to it; unpatch switches back. Registering adds a
   new key and changes no existing one. Packed (varlen) batches take the TND path when the caller
   passes flash-attn style ``cu_seq_lens_q``/``cu_seq_lens_k`` kwargs to the model's forward;
-  otherwise packing is expressed through the mask that transformers builds from position_ids.
+  otherwise packing is expressed through the mask that transformers builds from position_ids. A
+  ``kv_index`` kwarg (shared-prompt packing) gathers each query segment's keys/values from the
+  packed tokens first, so a response can attend to a prompt stored once for all its siblings.
 """
 
 from __future__ import annotations
@@ -161,10 +163,16 @@ def hf_attention_forward(
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # BSND
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    kv_index = kwargs.get("kv_index")  # shared-prefix packing: the key/value tokens of each query segment
+    if kv_index is not None and cu_q is None:
+        raise ValueError("kv_index (shared-prefix packing) needs cu_seq_lens_q/cu_seq_lens_k")
     if cu_q is not None:
         if q.shape[0] != 1:
             raise ValueError(f"cu_seq_lens_q needs packed input with batch size 1, got batch {q.shape[0]}")
-        out = attention_op.attention(q[0], k[0], v[0], causal=causal, cu_seqlens=cu_q, cu_seqlens_k=cu_k, scale=scaling)
+        k, v = k[0], v[0]  # (Tk, Nkv, D)
+        if kv_index is not None:
+            k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
+        out = attention_op.attention(q[0], k, v, causal=causal, cu_seqlens=cu_q, cu_seqlens_k=cu_k, scale=scaling)
         return out[None], None
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:

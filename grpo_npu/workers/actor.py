@@ -9,7 +9,10 @@ and no (B, L, V) logits exist.
 ``use_remove_padding`` packs the valid tokens of all rows of a micro-batch into one (1, sum of
 lengths) sequence whose position ids restart at 0 per row; transformers then builds a block-diagonal
 causal mask from the position ids (SDPA/eager), and flash-style kernels read the ``cu_seq_lens_*``
-keyword arguments passed along. Both paths give the same log-probs.
+keyword arguments passed along. ``share_prompt_prefix`` packs each distinct prompt of a micro-batch
+once, followed by all its responses, and attends through the ``grpo_npu`` attention with gathered
+keys (see :func:`shared_prefix_inputs`): GRPO's n responses per prompt then cost one prompt pass.
+All paths give the same log-probs.
 
 Update (per rank, per training step): ``ppo_epochs`` x mini-batches x micro-batches. Each
 micro-batch loss is aggregated with the GLOBAL token/sequence counts of its mini-batch (all
@@ -61,7 +64,7 @@ class ModelInputs:
     packed_kwargs: dict  # cu_seq_lens_q/k, max_length_q/k for packed batches (flash-style kernels)
 
 
-def build_inputs(batch: RolloutBatch, remove_padding: bool) -> ModelInputs:
+def build_inputs(batch: RolloutBatch, remove_padding: bool, share_prefix: bool = False) -> ModelInputs:
     """Model inputs for a (trimmed) micro-batch.
 
     Every row needs at least one prompt token; prompts are left-padded and responses right-padded
@@ -85,6 +88,8 @@ def build_inputs(batch: RolloutBatch, remove_padding: bool) -> ModelInputs:
     t = batch.response_ids.shape[1]
     valid = batch.response_mask.bool()  # (b, T)
     labels = batch.response_ids[valid]  # (N,)
+    if share_prefix:
+        return shared_prefix_inputs(batch, valid, labels)
     if not remove_padding:
         width = p + t
         rows, cols = valid.nonzero(as_tuple=True)
@@ -99,6 +104,54 @@ def build_inputs(batch: RolloutBatch, remove_padding: bool) -> ModelInputs:
     max_len = int(lengths.max())
     kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
     return ModelInputs(input_ids[attn][None], None, position_ids[attn][None], predict, labels, valid, kwargs)
+
+
+def shared_prefix_inputs(batch: RolloutBatch, valid: torch.Tensor, labels: torch.Tensor) -> ModelInputs:
+    """Each distinct prompt once, followed by the responses of every row that has it, in one packed row.
+
+    Attention segments (``cu_seq_lens_q/k`` over keys gathered by ``kv_index``, bottom-right causal): a
+    prompt attends causally to itself; a response attends to its whole prompt and causally to itself.
+    Response positions continue from the prompt's length, so every row sees exactly the tokens and
+    positions of its own padded row, while the linear layers process a prompt shared by k rows once
+    instead of k times. Empty responses contribute no tokens. Needs the ``grpo_npu`` attention.
+    """
+    device = batch.prompt_ids.device
+    prompt_valid = batch.prompt_mask.bool()  # (b, P)
+    resp_len = batch.response_mask.sum(1).tolist()
+    groups: dict[tuple[int, ...], list[int]] = {}  # prompt tokens -> rows, in first-appearance order
+    for row in range(len(batch)):
+        groups.setdefault(tuple(batch.prompt_ids[row][prompt_valid[row]].tolist()), []).append(row)
+    ids, pos, kv_index, q_lens, k_lens = [], [], [], [], []
+    last_prompt_token = [0] * len(batch)  # packed index of each row's last prompt token
+    response_start = [0] * len(batch)  # packed index of each row's first response token
+    cursor = 0
+    for prompt, rows in groups.items():
+        pl = len(prompt)
+        prompt_span = torch.arange(cursor, cursor + pl, device=device)
+        ids.append(torch.tensor(prompt, dtype=batch.prompt_ids.dtype, device=device))
+        pos.append(torch.arange(pl, device=device))
+        kv_index.append(prompt_span)
+        q_lens.append(pl)
+        k_lens.append(pl)
+        cursor += pl
+        for row in rows:
+            last_prompt_token[row], response_start[row] = int(prompt_span[-1]), cursor
+            tl = resp_len[row]
+            if tl == 0:
+                continue
+            ids.append(batch.response_ids[row, :tl])
+            pos.append(torch.arange(pl, pl + tl, device=device))
+            kv_index += [prompt_span, torch.arange(cursor, cursor + tl, device=device)]
+            q_lens.append(tl)
+            k_lens.append(pl + tl)
+            cursor += tl
+    rows, cols = valid.nonzero(as_tuple=True)
+    first = torch.tensor(last_prompt_token, device=device)[rows]
+    predict = torch.where(cols == 0, first, torch.tensor(response_start, device=device)[rows] + cols - 1)
+    cu = lambda lens: torch.nn.functional.pad(torch.tensor(lens, device=device).cumsum(0, dtype=torch.int32), (1, 0))  # noqa: E731
+    kwargs = {"cu_seq_lens_q": cu(q_lens), "cu_seq_lens_k": cu(k_lens), "max_length_q": max(q_lens),
+              "max_length_k": max(k_lens), "kv_index": torch.cat(kv_index)}
+    return ModelInputs(torch.cat(ids)[None], None, torch.cat(pos)[None], predict, labels, valid, kwargs)
 
 
 def scatter_valid(flat: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -171,6 +224,7 @@ def build_sharded(
     fused_kernels: bool,
     value_head: bool = False,
     seed: int = 0,
+    shared_prefix: bool = False,
 ) -> ResponseModel:
     """Load (rank 0 reads, others meta), patch, checkpoint, wrap and shard an HF model; weights from rank 0."""
     master_dtype = fsdp.resolve_dtype(fsdp_cfg.model_dtype, dev) if trainable else compute_dtype
@@ -183,6 +237,10 @@ def build_sharded(
         from grpo_npu.ops import patch_model
 
         log.info("fused kernels: %s", patch_model(hf_model))
+    elif shared_prefix:  # shared-prompt packing needs the grpo_npu attention (kv_index); nothing else changes
+        from grpo_npu.ops import patch_model
+
+        log.info("attention for shared-prompt packing: %s", patch_model(hf_model, ops=("attention",)))
     if gradient_checkpointing:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_model.requires_grad_(trainable)
@@ -313,7 +371,7 @@ class Policy:
     """A sharded causal LM that computes response log-probs (the actor's forward and the reference)."""
 
     def __init__(self, module: CausalLMLogProbs, dev: Device, *, remove_padding: bool, temperature: float,
-                 param_offload: bool):
+                 param_offload: bool, share_prefix: bool = False):
         if not temperature > 0:
             raise ValueError(
                 f"actor_rollout_ref.rollout.temperature={temperature}: log-probs for training need a temperature > 0"
@@ -321,6 +379,7 @@ class Policy:
         self.module = module
         self.dev = dev
         self.remove_padding = remove_padding
+        self.share_prefix = share_prefix
         self.temperature = temperature
         self.param_offload = param_offload
         if param_offload and dev.is_accelerator:
@@ -328,7 +387,7 @@ class Policy:
 
     def forward(self, micro: RolloutBatch, with_entropy: bool):
         """(logp (b, T), entropy (b, T) | None) for one trimmed micro-batch on the device."""
-        inputs = build_inputs(micro.to(self.dev.torch_device()), self.remove_padding)
+        inputs = build_inputs(micro.to(self.dev.torch_device()), self.remove_padding, self.share_prefix)
         return self.module(inputs, self.temperature, with_entropy)
 
     def log_probs(self, batch: RolloutBatch, *, micro_size: int | None, max_tokens: int | None,
@@ -350,9 +409,9 @@ class Actor(Policy):
     """The trained policy: Policy + AdamW + schedule + the PPO/GRPO update."""
 
     def __init__(self, module: CausalLMLogProbs, dev: Device, cfg: ActorConfig, derived: Derived, *,
-                 remove_padding: bool, temperature: float, total_steps: int, seed: int):
+                 remove_padding: bool, temperature: float, total_steps: int, seed: int, share_prefix: bool = False):
         super().__init__(module, dev, remove_padding=remove_padding, temperature=temperature,
-                         param_offload=cfg.fsdp_config.param_offload)
+                         param_offload=cfg.fsdp_config.param_offload, share_prefix=share_prefix)
         self.cfg = cfg
         self.derived = derived
         self.policy_loss_fn = losses.get_policy_loss_fn(cfg.policy_loss.loss_mode)

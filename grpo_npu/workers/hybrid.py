@@ -89,18 +89,22 @@ class HybridWorker:
             trust_remote_code=model.trust_remote_code, fsdp_cfg=arr.actor.fsdp_config, dev=dev,
             compute_dtype=compute_dtype_of(model, arr.actor.fsdp_config, dev), trainable=True,
             gradient_checkpointing=model.enable_gradient_checkpointing, fused_kernels=fused, seed=cfg.trainer.seed,
+            shared_prefix=model.share_prompt_prefix,
         )
         self.actor = Actor(actor_module, dev, arr.actor, d, remove_padding=model.use_remove_padding,
-                           temperature=arr.rollout.temperature, total_steps=total_steps, seed=cfg.trainer.seed)
+                           temperature=arr.rollout.temperature, total_steps=total_steps, seed=cfg.trainer.seed,
+                           share_prefix=model.share_prompt_prefix)
         if d.use_reference:
             ref_module = build_sharded(
                 CausalLMLogProbs, path=model.path, override_config=dict(model.override_config),
                 trust_remote_code=model.trust_remote_code, fsdp_cfg=arr.ref.fsdp_config, dev=dev,
                 compute_dtype=compute_dtype_of(model, arr.ref.fsdp_config, dev), trainable=False,
                 gradient_checkpointing=False, fused_kernels=fused, seed=cfg.trainer.seed,
+                shared_prefix=model.share_prompt_prefix,
             )
             self.ref = Policy(ref_module, dev, remove_padding=model.use_remove_padding,
-                              temperature=arr.rollout.temperature, param_offload=arr.ref.fsdp_config.param_offload)
+                              temperature=arr.rollout.temperature, param_offload=arr.ref.fsdp_config.param_offload,
+                              share_prefix=model.share_prompt_prefix)
         if d.use_critic:
             cm = cfg.critic.model
             critic_module = build_sharded(
