@@ -301,7 +301,8 @@ def test_checkpoint_resume_equals_uninterrupted(tiny_model_path, tmp_path):
         b.load_checkpoint(str(tmp_path / "missing"))
 
 
-def test_hf_generate_gathers_each_layer_once_and_reshards(tiny_model_path, monkeypatch):
+@pytest.mark.parametrize("share_prefix", [False, True])  # True: generation through the patched attention
+def test_hf_generate_gathers_each_layer_once_and_reshards(tiny_model_path, monkeypatch, share_prefix):
     """The hf rollout through the FSDP actor: same greedy tokens as the plain model, one gather per FSDP unit
     for the whole generate (not one per token), every unit resharded and its reshard setting restored."""
     from torch.distributed.fsdp import FSDPModule
@@ -317,7 +318,8 @@ def test_hf_generate_gathers_each_layer_once_and_reshards(tiny_model_path, monke
             gathers.append(group)
         return real_unshard(group, *args, **kwargs)
 
-    worker = make_worker(make_cfg(tiny_model_path), with_rollout=True)
+    worker = make_worker(make_cfg(tiny_model_path, f"actor_rollout_ref.model.share_prompt_prefix={share_prefix}"),
+                         with_rollout=True)
     units = [m for m in worker.actor.module.modules() if isinstance(m, FSDPModule)]
     settings = [fsdp._reshard_setting(m) for m in units]
     batch = make_batch(seed=9)
