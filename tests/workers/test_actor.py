@@ -373,8 +373,9 @@ def test_shared_prompt_log_probs_match_full_softmax(tiny_model_path, fused):
     assert worker.actor.module.hf.config._attn_implementation == "grpo_npu"
     batch = _shared_prompt_batch(seed=11)
     ref_logp, ref_entropy, _ = _reference_logp(tiny_model_path, batch)
-    for micro in (8, 3, 1):  # groups whole, split over micro-batches, one row each
-        logp, entropy = worker.actor.log_probs(batch, micro_size=micro, max_tokens=None, with_entropy=True)
+    # groups whole, split over micro-batches, one row each; token-budget packing
+    for micro, budget in ((8, None), (3, None), (1, None), (None, 20)):
+        logp, entropy = worker.actor.log_probs(batch, micro_size=micro, max_tokens=budget, with_entropy=True)
         torch.testing.assert_close(logp.double(), ref_logp, atol=LOGP_ATOL, rtol=0, msg=f"micro {micro}")
         torch.testing.assert_close(entropy.double(), ref_entropy, atol=LOGP_ATOL, rtol=0, msg=f"micro {micro}")
 
