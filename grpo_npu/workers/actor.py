@@ -148,10 +148,14 @@ def shared_prefix_inputs(batch: RolloutBatch, valid: torch.Tensor, labels: torch
     rows, cols = valid.nonzero(as_tuple=True)
     first = torch.tensor(last_prompt_token, device=device)[rows]
     predict = torch.where(cols == 0, first, torch.tensor(response_start, device=device)[rows] + cols - 1)
-    cu = lambda lens: torch.nn.functional.pad(torch.tensor(lens, device=device).cumsum(0, dtype=torch.int32), (1, 0))  # noqa: E731
-    kwargs = {"cu_seq_lens_q": cu(q_lens), "cu_seq_lens_k": cu(k_lens), "max_length_q": max(q_lens),
-              "max_length_k": max(k_lens), "kv_index": torch.cat(kv_index)}
+    kwargs = {"cu_seq_lens_q": _cumulative(q_lens, device), "cu_seq_lens_k": _cumulative(k_lens, device),
+              "max_length_q": max(q_lens), "max_length_k": max(k_lens), "kv_index": torch.cat(kv_index)}
     return ModelInputs(torch.cat(ids)[None], None, torch.cat(pos)[None], predict, labels, valid, kwargs)
+
+
+def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """(n+1,) int32 offsets 0, l0, l0+l1, ... (flash-attn's cu_seqlens)."""
+    return torch.nn.functional.pad(torch.tensor(lengths, device=device).cumsum(0, dtype=torch.int32), (1, 0))
 
 
 def scatter_valid(flat: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
