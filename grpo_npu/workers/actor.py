@@ -40,7 +40,8 @@ from grpo_npu.algo import losses
 from grpo_npu.batch import RolloutBatch
 from grpo_npu.config import ActorConfig, Derived, FSDPConfig, ModelConfig
 from grpo_npu.device import Device
-from grpo_npu.ops import linear_logprobs
+from grpo_npu.ops import PATCHABLE_OPS, cu_seqlens_from_lengths, linear_logprobs, patch_model
+from grpo_npu.rollout.metrics import logp_abs_diff
 from grpo_npu.workers import fsdp
 from grpo_npu.workers.micro_batch import fixed_groups, scatter_rows, token_budget_groups, trim_padding
 from grpo_npu.workers.optim import build_optimizer, build_scheduler
@@ -100,7 +101,7 @@ def build_inputs(batch: RolloutBatch, remove_padding: bool, share_prefix: bool =
     rows, cols = valid.nonzero(as_tuple=True)
     predict = packed_pos[rows, p + cols] - 1  # the kept token just before it, in the same row
     lengths = attn.sum(1)
-    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    cu = cu_seqlens_from_lengths(lengths)
     max_len = int(lengths.max())
     kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
     return ModelInputs(input_ids[attn][None], None, position_ids[attn][None], predict, labels, valid, kwargs)
@@ -148,14 +149,10 @@ def shared_prefix_inputs(batch: RolloutBatch, valid: torch.Tensor, labels: torch
     rows, cols = valid.nonzero(as_tuple=True)
     first = torch.tensor(last_prompt_token, device=device)[rows]
     predict = torch.where(cols == 0, first, torch.tensor(response_start, device=device)[rows] + cols - 1)
-    kwargs = {"cu_seq_lens_q": _cumulative(q_lens, device), "cu_seq_lens_k": _cumulative(k_lens, device),
+    kwargs = {"cu_seq_lens_q": cu_seqlens_from_lengths(torch.tensor(q_lens, device=device)),
+              "cu_seq_lens_k": cu_seqlens_from_lengths(torch.tensor(k_lens, device=device)),
               "max_length_q": max(q_lens), "max_length_k": max(k_lens), "kv_index": torch.cat(kv_index)}
     return ModelInputs(torch.cat(ids)[None], None, torch.cat(pos)[None], predict, labels, valid, kwargs)
-
-
-def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
-    """(n+1,) int32 offsets 0, l0, l0+l1, ... (flash-attn's cu_seqlens)."""
-    return torch.nn.functional.pad(torch.tensor(lengths, device=device).cumsum(0, dtype=torch.int32), (1, 0))
 
 
 def scatter_valid(flat: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -237,14 +234,10 @@ def build_sharded(
     torch.manual_seed(seed)  # a freshly initialised value head is the same wherever it is built
     hf_model = fsdp.load_hf_model(path, config, dtype=master_dtype, value_head=value_head,
                                   trust_remote_code=trust_remote_code)
-    if fused_kernels:
-        from grpo_npu.ops import patch_model
-
-        log.info("fused kernels: %s", patch_model(hf_model))
-    elif shared_prefix:  # shared-prompt packing needs the grpo_npu attention (kv_index); nothing else changes
-        from grpo_npu.ops import patch_model
-
-        log.info("attention for shared-prompt packing: %s", patch_model(hf_model, ops=("attention",)))
+    # Shared-prompt packing needs the grpo_npu attention (kv_index) even without the other fused ops.
+    patch_ops = PATCHABLE_OPS if fused_kernels else ("attention",) if shared_prefix else ()
+    if patch_ops:
+        log.info("patched ops: %s", patch_model(hf_model, ops=patch_ops))
     if gradient_checkpointing:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_model.requires_grad_(trainable)
@@ -550,7 +543,7 @@ class Actor(Policy):
             if cfg.entropy_coeff != 0:
                 loss = loss - cfg.entropy_coeff * ent_loss
             if on_policy and micro.rollout_logp is not None:
-                diff = (micro.rollout_logp.float() - old_logp.float()).abs()[mask.bool()]  # (n,) valid tokens
+                diff = logp_abs_diff(micro.rollout_logp, old_logp, mask)  # (n,) valid tokens
                 if diff.numel():
                     diff_sum = diff.sum()
                     diff_max = torch.maximum(diff_max, diff.max().double().reshape(1))

@@ -389,11 +389,15 @@ def scale_grads(params: list[nn.Parameter], factor: float) -> None:
             p.grad.mul_(factor)
 
 
+def fsdp_units(module: nn.Module) -> list[FSDPModule]:
+    """Every FSDP unit in ``module`` (itself included), root first."""
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
 def reshard_all(module: nn.Module) -> None:
     """Free gathered parameters of every FSDP unit in ``module`` (after forward-only passes)."""
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
+    for m in fsdp_units(module):
+        m.reshard()
 
 
 @contextmanager
@@ -405,7 +409,7 @@ def gathered(module: nn.Module) -> Iterator[None]:
     an H100). Gathered once, the block pays one all-gather per layer and holds the full parameters,
     as verl's summon_full_params around its HF rollout does.
     """
-    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    units = fsdp_units(module)
     saved = [_reshard_setting(m) for m in units]
     try:
         for m in units:

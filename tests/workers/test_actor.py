@@ -305,7 +305,6 @@ def test_checkpoint_resume_equals_uninterrupted(tiny_model_path, tmp_path):
 def test_hf_generate_gathers_each_layer_once_and_reshards(tiny_model_path, monkeypatch, share_prefix):
     """The hf rollout through the FSDP actor: same greedy tokens as the plain model, one gather per FSDP unit
     for the whole generate (not one per token), every unit resharded and its reshard setting restored."""
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from grpo_npu.rollout import SamplingConfig
@@ -320,7 +319,7 @@ def test_hf_generate_gathers_each_layer_once_and_reshards(tiny_model_path, monke
 
     worker = make_worker(make_cfg(tiny_model_path, f"actor_rollout_ref.model.share_prompt_prefix={share_prefix}"),
                          with_rollout=True)
-    units = [m for m in worker.actor.module.modules() if isinstance(m, FSDPModule)]
+    units = fsdp.fsdp_units(worker.actor.module)
     settings = [fsdp._reshard_setting(m) for m in units]
     batch = make_batch(seed=9)
     monkeypatch.setattr(FSDPParamGroup, "unshard", counting)
