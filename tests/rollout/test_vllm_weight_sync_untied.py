@@ -16,7 +16,7 @@ from grpo_npu.config import RolloutConfig  # noqa: E402
 from grpo_npu.device import Device  # noqa: E402
 from grpo_npu.rollout import SamplingConfig, build_rollout  # noqa: E402
 from grpo_npu.rollout.hf_rollout import HFRollout  # noqa: E402
-from tests.rollout.test_vllm_weight_sync import KERNEL_ATOL, _kernel_errors, _perturbed  # noqa: E402
+from tests.rollout.test_vllm_weight_sync import KERNEL_ATOL, PERTURB, _kernel_errors  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -55,14 +55,14 @@ def engine(untied_path, tiny_tokenizer):
     rollout.close()
 
 
-def test_untied_head_and_padded_vocabulary_follow_the_actor(engine, actor, tiny_tokenizer, prompt_batch):
+def test_untied_head_and_padded_vocabulary_follow_the_actor(engine, actor, tiny_tokenizer, prompt_batch, ref):
     state = {k: v.clone() for k, v in actor.state_dict().items()}
     assert not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
     assert not engine.tied_embeddings
     sampling = SamplingConfig(do_sample=False, max_new_tokens=8, return_logprobs=True)
     hf = HFRollout(actor, pad_token_id=tiny_tokenizer.pad_token_id, eos_token_ids=[tiny_tokenizer.eos_token_id])
     for seed in (None, 4):  # the actor's weights, then moved ones: two syncs in a row
-        weights = state if seed is None else _perturbed(state, seed)
+        weights = state if seed is None else ref.perturbed_weights(actor, scale=PERTURB, seed=seed)
         engine.update_weights(weights.items())
         assert engine.sync_path == "direct"
         errors = _kernel_errors(engine, weights)
