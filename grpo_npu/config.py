@@ -41,6 +41,7 @@ RESUME_MODES = ("auto", "disable", "resume_path")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 LOAD_FORMATS = ("dummy", "dummy_dtensor", "dummy_hf", "auto", "hf", "safetensors", "pt")
 WARMUP_STYLES = ("constant", "cosine")
+OPTIM_IMPLS = ("auto", "fused", "foreach", "for_loop")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 STRATEGIES = ("fsdp", "fsdp2")
@@ -202,6 +203,8 @@ class OptimConfig:
     """AdamW betas."""
     eps: float = 1e-8
     """AdamW epsilon."""
+    impl: str = choice("auto", OPTIM_IMPLS)
+    """How AdamW steps: auto (fused on cpu/cuda, foreach elsewhere) | fused | foreach | for_loop."""
     total_training_steps: int = -1
     """Steps the schedule spans (-1: the trainer's total steps)."""
 

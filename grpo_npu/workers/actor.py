@@ -44,7 +44,7 @@ from grpo_npu.ops import PATCHABLE_OPS, cu_seqlens_from_lengths, linear_logprobs
 from grpo_npu.rollout.metrics import logp_abs_diff
 from grpo_npu.workers import fsdp
 from grpo_npu.workers.micro_batch import fixed_groups, scatter_rows, token_budget_groups, trim_padding
-from grpo_npu.workers.optim import build_optimizer, build_scheduler
+from grpo_npu.workers.optim import build_optimizer, build_scheduler, optimizer_device
 
 log = logging.getLogger(__name__)
 
@@ -417,7 +417,8 @@ class Actor(Policy):
         self.params = [p for p in module.parameters() if p.requires_grad]
         o = cfg.optim
         steps = o.total_training_steps if o.total_training_steps > 0 else total_steps
-        self.optimizer = build_optimizer(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        self.optimizer = build_optimizer(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                                         impl=o.impl, device_type=optimizer_device(dev, cfg.fsdp_config))
         self.scheduler = build_scheduler(
             self.optimizer, total_steps=steps, lr_warmup_steps=o.lr_warmup_steps,
             lr_warmup_steps_ratio=o.lr_warmup_steps_ratio, warmup_style=o.warmup_style,

@@ -32,7 +32,7 @@ from grpo_npu.workers.actor import (
     step_scheduler,
 )
 from grpo_npu.workers.micro_batch import trim_padding
-from grpo_npu.workers.optim import build_optimizer, build_scheduler
+from grpo_npu.workers.optim import build_optimizer, build_scheduler, optimizer_device
 
 _SUM_KEYS = ("vf_loss", "vf_clipfrac", "vpred_mean", "tokens")
 
@@ -62,7 +62,8 @@ class Critic:
         self.param_offload = cfg.model.fsdp_config.param_offload
         self.params = [p for p in module.parameters() if p.requires_grad]
         o = cfg.optim
-        self.optimizer = build_optimizer(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        self.optimizer = build_optimizer(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                                         impl=o.impl, device_type=optimizer_device(dev, cfg.model.fsdp_config))
         self.scheduler = build_scheduler(
             self.optimizer, total_steps=o.total_training_steps if o.total_training_steps > 0 else total_steps,
             lr_warmup_steps=o.lr_warmup_steps, lr_warmup_steps_ratio=o.lr_warmup_steps_ratio,

@@ -14,7 +14,10 @@ from typing import Iterable
 
 import torch
 
-WARMUP_STYLES = ("constant", "cosine")
+from grpo_npu.config import OPTIM_IMPLS, WARMUP_STYLES
+
+# Devices whose fused AdamW kernel torch itself ships (torch_npu's is not in npu_reference.md: NPU gets foreach).
+FUSED_DEVICES = ("cpu", "cuda")
 
 
 def build_optimizer(
@@ -24,12 +27,39 @@ def build_optimizer(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    impl: str = "auto",
+    device_type: str = "cpu",
 ) -> torch.optim.AdamW:
-    """AdamW over ``params`` (sharded DTensors are fine: the update is elementwise)."""
+    """AdamW over ``params`` (sharded DTensors are fine: the update is elementwise).
+
+    impl (``optim.impl``): auto = fused where torch ships the kernel for ``device_type`` (the device the
+    update runs on), else foreach. The fused step reads and writes each parameter, gradient and moment once;
+    torch's CPU default, the per-tensor loop, makes about ten passes (measured 0.6 s against 7 s per step for
+    494M fp32 parameters on this project's 2-core CPU). All three give the same update up to rounding.
+    """
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("build_optimizer: the model has no trainable parameters")
-    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    impl = resolve_impl(impl, device_type)
+    kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **kwargs)
+
+
+def optimizer_device(dev, fsdp_cfg) -> str:
+    """The device kind the optimizer step runs on: the host under FSDP2's CPUOffloadPolicy, else ``dev``."""
+    return "cpu" if fsdp_cfg.offload_policy else dev.kind
+
+
+def resolve_impl(impl: str, device_type: str) -> str:
+    """``optim.impl`` -> fused | foreach | for_loop for an update on ``device_type``."""
+    if impl not in OPTIM_IMPLS:
+        raise ValueError(f"optim.impl: unknown value {impl!r}; known: {', '.join(OPTIM_IMPLS)}")
+    if impl == "auto":
+        return "fused" if device_type in FUSED_DEVICES else "foreach"
+    if impl == "fused" and device_type not in FUSED_DEVICES:
+        raise ValueError(f"optim.impl=fused: torch has no fused AdamW for device {device_type!r} "
+                         f"(fused on: {', '.join(FUSED_DEVICES)}); use optim.impl=foreach or auto")
+    return impl
 
 
 def warmup_steps(total_steps: int, lr_warmup_steps: int, lr_warmup_steps_ratio: float) -> int:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from grpo_npu.workers.optim import build_optimizer, build_scheduler, lr_multiplier, warmup_steps
+from grpo_npu.workers.optim import build_optimizer, build_scheduler, lr_multiplier, resolve_impl, warmup_steps
 
 
 def _lrs(steps: int, **kwargs) -> list[float]:
@@ -61,3 +61,46 @@ def test_schedule_errors():
     with pytest.raises(ValueError, match="no trainable parameters"):
         build_optimizer([torch.nn.Parameter(torch.zeros(1), requires_grad=False)], lr=1.0, betas=(0.9, 0.999),
                         eps=1e-8, weight_decay=0.0)
+
+
+def _adamw_reference(p0: torch.Tensor, grads: list[torch.Tensor], *, lr: float, betas, eps: float, wd: float):
+    """AdamW (decoupled weight decay, bias-corrected moments) written out, in float64."""
+    p, m, v = p0.double().clone(), torch.zeros_like(p0, dtype=torch.float64), torch.zeros_like(p0, dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        p.mul_(1 - lr * wd)
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        m_hat, v_hat = m / (1 - betas[0] ** t), v / (1 - betas[1] ** t)
+        p -= lr * m_hat / (v_hat.sqrt() + eps)
+    return p
+
+
+@pytest.mark.parametrize("impl", ["auto", "fused", "foreach", "for_loop"])
+def test_every_impl_matches_written_out_adamw(impl):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 2, 4)]
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) * 10 ** -k for s in shapes] for k in range(4)]  # shrinking gradients
+    params = [torch.nn.Parameter(x.clone()) for x in init]
+    opt = build_optimizer(params, lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, impl=impl, device_type="cpu")
+    assert bool(opt.defaults["fused"]) is (impl in ("auto", "fused"))
+    assert bool(opt.defaults["foreach"]) is (impl == "foreach")
+    for step in grads:
+        for p, g in zip(params, step):
+            p.grad = g.clone()
+        opt.step()
+    for i, (p, x) in enumerate(zip(params, init)):
+        want = _adamw_reference(x, [step[i] for step in grads], lr=0.05, betas=(0.9, 0.95), eps=1e-8, wd=0.1)
+        torch.testing.assert_close(p.detach().double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_impl_resolution_and_errors():
+    assert resolve_impl("auto", "cpu") == "fused"
+    assert resolve_impl("auto", "cuda") == "fused"
+    assert resolve_impl("auto", "npu") == "foreach"  # no fused AdamW documented for torch_npu
+    assert resolve_impl("for_loop", "npu") == "for_loop"
+    with pytest.raises(ValueError, match="optim.impl=fused: torch has no fused AdamW for device 'npu'"):
+        resolve_impl("fused", "npu")
+    with pytest.raises(ValueError, match="optim.impl: unknown value 'apex'"):
+        resolve_impl("apex", "cpu")
