@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from grpo_npu.cli import exit_code, setup_logging
+from grpo_npu.cli import apply_process_env_defaults, exit_code, setup_logging
 from grpo_npu.config import config_from_argv
 
 
@@ -31,6 +31,7 @@ def train(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_process_env_defaults()  # before anything imports torch
     setup_logging()
     return exit_code(lambda: train(list(sys.argv[1:] if argv is None else argv)))
 

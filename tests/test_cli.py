@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from grpo_npu import main_ppo, main_sft
+from grpo_npu.cli import PROCESS_ENV_DEFAULTS, apply_process_env_defaults
 
 BASE = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "trainer.n_gpus_per_node=1",
         "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]
+
+
+@pytest.fixture(autouse=True)
+def _keep_environ():
+    """main() sets process-environment defaults; keep them from leaking into later tests' subprocesses."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.mark.parametrize("main", [main_ppo.main, main_sft.main])
@@ -29,3 +43,32 @@ def test_help_and_cfg_exit_0(capsys):
     assert "actor_rollout_ref.rollout.name" in capsys.readouterr().out
     assert main_ppo.main(["--cfg"] + BASE) == 0
     assert "train_batch_size: 2" in capsys.readouterr().out
+
+
+def test_process_env_defaults_fill_only_what_is_missing():
+    env = {"THP_MEM_ALLOC_ENABLE": "0", "OTHER": "x"}
+    assert apply_process_env_defaults(env) == {}
+    assert env == {"THP_MEM_ALLOC_ENABLE": "0", "OTHER": "x"}  # the user's choice wins
+    env = {}
+    assert apply_process_env_defaults(env) == PROCESS_ENV_DEFAULTS == env
+
+
+# torch's CPU allocator page-aligns (4096) buffers >= 2 MB only when it saw THP_MEM_ALLOC_ENABLE=1 at start;
+# otherwise it aligns to 64 bytes, which for an mmap-backed buffer is not a page boundary.
+_ALIGNMENT_PROBE = """
+import contextlib, io, sys
+from grpo_npu import main_ppo
+with contextlib.redirect_stdout(io.StringIO()):
+    assert main_ppo.main(["--help"]) == 0
+import torch
+print(sorted({torch.empty(1 << 20).data_ptr() % 4096 for _ in range(4)}))
+"""
+
+
+@pytest.mark.parametrize("preset, page_aligned", [(None, True), ("0", False)])
+def test_entry_point_sets_thp_before_torch_reads_it(preset, page_aligned):
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if preset is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = preset
+    out = subprocess.run([sys.executable, "-c", _ALIGNMENT_PROBE], env=env, capture_output=True, text=True, check=True)
+    assert (out.stdout.strip().splitlines()[-1] == "[0]") is page_aligned

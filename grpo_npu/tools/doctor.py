@@ -390,6 +390,20 @@ def _hccl_check(facts: Facts, environ: Mapping[str, str]) -> Check:
     return Check("hccl_connect_timeout", OK, f"HCCL_CONNECT_TIMEOUT={seconds}")
 
 
+def _thp_alloc_check(environ: Mapping[str, str]) -> Check:
+    from grpo_npu.cli import PROCESS_ENV_DEFAULTS
+
+    name, want = "THP_MEM_ALLOC_ENABLE", PROCESS_ENV_DEFAULTS["THP_MEM_ALLOC_ENABLE"]
+    raw = environ.get(name)
+    if raw is None:
+        return Check("cpu_thp_alloc", OK, f"{name} unset: grpo_npu's entry points set {name}={want}")
+    if raw.strip() == want:
+        return Check("cpu_thp_alloc", OK, f"{name}={raw}: host buffers >= 2 MB use huge pages")
+    return Check("cpu_thp_alloc", WARN,
+                 f"{name}={raw}: torch faults large host buffers in 4 KB pages (slower steps on CPU, and wherever "
+                 "parameters or optimizer state live on the host)", f"unset {name} (grpo_npu then sets {want})")
+
+
 def evaluate(facts: Facts, environ: Mapping[str, str], sleep_mode: bool | None = None) -> list[Check]:
     """Judge observed facts and environment variables; pure, so tests can feed any installation."""
     return [
@@ -401,6 +415,7 @@ def evaluate(facts: Facts, environ: Mapping[str, str], sleep_mode: bool | None =
         _nz_check(facts, environ, sleep_mode),
         _ray_visible_check(environ),
         _hccl_check(facts, environ),
+        _thp_alloc_check(environ),
     ]
 
 

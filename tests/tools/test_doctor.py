@@ -146,6 +146,14 @@ def test_ray_resets_ascend_visible_devices_unless_told_not_to():
     assert check(npu_facts(), GOOD_NPU_ENV, "ray_ascend_visible_devices").status == OK
 
 
+@pytest.mark.parametrize("value, status", [(None, OK), ("1", OK), ("0", WARN), ("yes", WARN)])
+def test_thp_alloc_env(value, status):
+    env = {} if value is None else {"THP_MEM_ALLOC_ENABLE": value}
+    c = check(cpu_facts(), env, "cpu_thp_alloc")
+    assert c.status == status
+    assert (c.fix == "unset THP_MEM_ALLOC_ENABLE (grpo_npu then sets 1)") is (status == WARN)
+
+
 @pytest.mark.parametrize("value, status", [(None, WARN), ("120", WARN), ("1799", WARN), ("abc", WARN),
                                            ("1800", OK), ("5400", OK)])
 def test_hccl_connect_timeout_on_npu(value, status):
