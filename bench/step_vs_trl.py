@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.common import BenchResult, bench_main
+from grpo_npu.cli import PROCESS_ENV_DEFAULTS, apply_process_env_defaults
 
 TARGET_SPEEDUP = 2.0
 # One intra-op thread by default: on a shared 2-core machine a parallel region stalls whenever another
@@ -159,6 +160,8 @@ def grpo_npu_overrides(work: Workload, inputs: dict, rollout: str, run_dir: Path
         "actor_rollout_ref.model.enable_gradient_checkpointing=True",
         # each prompt's tokens go through the layers once for its n responses: same loss and gradients
         "actor_rollout_ref.model.share_prompt_prefix=True",
+        # linear layers through oneDNN's fp32 matmul instead of torch's MKL sgemm (CPU only; same products)
+        f"actor_rollout_ref.model.use_onednn_linear={work.device == 'cpu'}",
         f"actor_rollout_ref.model.use_remove_padding={USE_REMOVE_PADDING}", "actor_rollout_ref.model.dtype=float32",
         "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=float32",
         "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=float32",
@@ -360,12 +363,18 @@ def missing_dependency(side: str) -> str | None:
     return None
 
 
-def run_side(side: str, work: Workload, inputs: dict, root: Path) -> dict:
-    """Run one side in a fresh Python process and return its measurements; raise if it fails."""
+def run_side(side: str, work: Workload, inputs: dict, root: Path, trl_env_defaults: bool = False) -> dict:
+    """Run one side in a fresh Python process and return its measurements; raise if it fails.
+
+    grpo_npu's sides get the process environment its entry points set (``cli.PROCESS_ENV_DEFAULTS``); TRL's
+    gets the caller's environment as it is, unless ``trl_env_defaults``.
+    """
     out = root / side
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(work.threads), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    if side != "trl" or trl_env_defaults:  # what `python -m grpo_npu.main_ppo` gives its own process
+        apply_process_env_defaults(env)
     cmd = [sys.executable, "-m", "bench.step_vs_trl", "--worker", "--side", side, "--work", json.dumps(asdict(work)),
            "--inputs", json.dumps(inputs), "--out", str(out)]
     start = time.perf_counter()
@@ -403,7 +412,7 @@ TARGETS = {"grpo_npu_hf": "grpo_npu_hf_vs_trl_steps_per_s", "grpo_npu_vllm": "gr
 
 
 def run(quick: bool = False, model: str = "tiny", device: str = "cpu", sides: tuple[str, ...] = SIDES,
-        **sizes) -> BenchResult:
+        trl_env_defaults: bool = False, **sizes) -> BenchResult:
     """End-to-end GRPO step: grpo_npu vs TRL on the same workload; ``sizes`` override Workload fields."""
     from grpo_npu.device import resolve_kind
 
@@ -418,7 +427,7 @@ def run(quick: bool = False, model: str = "tiny", device: str = "cpu", sides: tu
     root = Path(tempfile.mkdtemp(prefix="bench-step-vs-trl-"))
     try:
         inputs = prepare_inputs(work, root)
-        measured = {side: run_side(side, work, inputs, root) for side in sides if side not in skipped}
+        measured = {side: run_side(side, work, inputs, root, trl_env_defaults) for side in sides if side not in skipped}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     load_after = os.getloadavg()
@@ -448,8 +457,14 @@ def run(quick: bool = False, model: str = "tiny", device: str = "cpu", sides: tu
         "optimizer); tokens = prompt + response tokens without padding, as each trainer counts them",
         "one optimizer step per batch: both trainers take the old log-probs from the update's own forward (grpo_npu "
         "actor.old_log_prob=auto, TRL num_iterations=1), so neither runs a separate old-policy pass",
+        "grpo_npu on CPU runs its linear layers through oneDNN (model.use_onednn_linear=True; tested equal to "
+        "F.linear); TRL's go through torch's default fp32 matmul (MKL)",
         "grpo_npu packs each prompt once with its n responses (model.share_prompt_prefix=True; tested equal to padded "
         "rows): its actor/reference passes process fewer tokens for the same loss and gradients",
+        "process environment: grpo_npu runs with what its entry points set before torch starts ("
+        + ", ".join(f"{k}={v}" for k, v in PROCESS_ENV_DEFAULTS.items()) + ", unless already set); TRL runs with "
+        + ("the same (--trl-env-defaults)" if trl_env_defaults else "the caller's environment as it is "
+           "(--trl-env-defaults gives it grpo_npu's defaults too)"),
         f"load average (1/5/15 min) before {_load(load_before)}, after {_load(load_after)}, on {os.cpu_count()} CPUs",
     ]
     if quick:
@@ -471,6 +486,8 @@ def main(argv: list[str] | None = None) -> BenchResult | None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "auto", "cuda", "npu"),
                         help="cpu (default); auto: the accelerator when there is one")
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES, help="which trainers to run")
+    parser.add_argument("--trl-env-defaults", action="store_true",
+                        help="give TRL's process grpo_npu's process-environment defaults too")
     parser.add_argument("--threads", type=int, default=None,
                         help=f"torch threads, every side (default {DEFAULT_THREADS})")
     for field in SIZE_FIELDS:
@@ -482,7 +499,8 @@ def main(argv: list[str] | None = None) -> BenchResult | None:
 
     def configured(quick: bool = False) -> BenchResult:
         """End-to-end GRPO step: grpo_npu vs TRL's GRPOTrainer (steps/s, tokens/s, ratio)."""
-        return run(quick=quick, model=ours.model, device=ours.device, sides=tuple(ours.sides), **sizes)
+        return run(quick=quick, model=ours.model, device=ours.device, sides=tuple(ours.sides),
+                   trl_env_defaults=ours.trl_env_defaults, **sizes)
 
     return bench_main(configured, rest)
 

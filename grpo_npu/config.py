@@ -173,6 +173,8 @@ class ModelConfig:
     """Patch the model with grpo_npu.ops fused kernels (None: on for NPU, off elsewhere)."""
     share_prompt_prefix: bool = False
     """Actor/reference passes run each distinct prompt of a micro-batch once for all its responses (packed)."""
+    use_onednn_linear: bool = False
+    """Linear layers through oneDNN's fp32 matmul on CPU (grpo_npu.ops.linear; 2.1-2.4x torch's MKL path here)."""
     use_liger: bool = False
     """Kept for verl compatibility (Liger kernels are CUDA-only); must stay False."""
     lora_rank: int = 0

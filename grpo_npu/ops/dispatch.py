@@ -25,7 +25,9 @@ from grpo_npu import device
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("npu", "cuda", "reference")
+BACKENDS = ("npu", "cuda", "onednn", "reference")
+# The device whose tensors an accelerator backend serves in automatic mode.
+BACKEND_DEVICE = {"npu": "npu", "cuda": "cuda", "onednn": "cpu"}
 
 
 def torch_npu() -> ModuleType:
@@ -88,7 +90,7 @@ class OpBackend:
         if self._forced is not None:
             return self._forced
         chosen = self.get()
-        return chosen if chosen == "reference" or x.device.type == chosen else "reference"
+        return chosen if chosen == "reference" or x.device.type == BACKEND_DEVICE[chosen] else "reference"
 
     @property
     def forced(self) -> str | None:

@@ -30,6 +30,7 @@ import torch
 
 from grpo_npu import device
 from grpo_npu.ops import dispatch
+from grpo_npu.ops.linear import mm_nt
 
 # npu_cross_entropy_loss accepts N in (0, 200000] rows per call (op-plugin docs).
 NPU_CE_MAX_ROWS = 200_000
@@ -181,19 +182,21 @@ class _LinearLogprobs(torch.autograd.Function):
     """hidden (N, H), weight (V, H) -> (logp, entropy) over logits = hidden @ weight.T, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature: float, rows: int, with_entropy: bool, stats: ChunkStats):
+    def forward(ctx, hidden, weight, labels, temperature: float, rows: int, with_entropy: bool, stats: ChunkStats,
+                onednn: bool):
         n = hidden.shape[0]
         logp = hidden.new_empty(n, dtype=torch.float32)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         for s in range(0, n, rows):
-            z = _tempered(hidden[s : s + rows] @ weight.t(), temperature, writable=False, owned=True)  # (rows, V)
+            z = _tempered(mm_nt(hidden[s : s + rows], weight, onednn=onednn), temperature, writable=False,
+                          owned=True)  # (rows, V)
             lp, ls, ent = stats(z, labels[s : s + rows], with_entropy)
             logp[s : s + rows], lse[s : s + rows] = lp, ls
             if with_entropy:
                 entropy[s : s + rows] = ent
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.temperature, ctx.rows, ctx.with_entropy = temperature, rows, with_entropy
+        ctx.temperature, ctx.rows, ctx.with_entropy, ctx.onednn = temperature, rows, with_entropy, onednn
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -202,24 +205,33 @@ class _LinearLogprobs(torch.autograd.Function):
     def backward(ctx, g_logp, g_entropy):
         hidden, weight, labels, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        onednn = ctx.onednn and hidden.dtype == torch.float32
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_weight = None  # fp32, accumulated across chunks
         for s in range(0, hidden.shape[0], ctx.rows):
             block = slice(s, s + ctx.rows)
             h = hidden[block]
-            z = _tempered(h @ weight.t(), ctx.temperature, writable=True, owned=True)  # (rows, V)
+            z = _tempered(mm_nt(h, weight, onednn=onednn), ctx.temperature, writable=True, owned=True)  # (rows, V)
             g_ent = g_entropy[block] if ctx.with_entropy else None
             g = _chunk_grad(z, labels[block], lse[block], g_logp[block], g_ent, ctx.temperature).to(hidden.dtype)
             if need_hidden:
-                grad_hidden[block] = g @ weight
-            if need_weight:  # accumulate in fp32 across chunks
+                grad_hidden[block] = mm_nt(g, weight.t(), onednn=onednn)  # g @ weight
+            if need_weight:
+                if onednn:  # g.T @ h as one oneDNN product per chunk
+                    part = mm_nt(g.t(), h.t(), onednn=True)
+                    grad_weight = part if grad_weight is None else grad_weight.add_(part)
+                    continue
+                if grad_weight is None:
+                    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
                 if g.dtype == torch.float32:
                     grad_weight.addmm_(g.t(), h)
                 else:
                     grad_weight += (g.t() @ h).float()
         if need_weight:
+            if grad_weight is None:  # no rows
+                grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -287,12 +299,14 @@ def linear_logprobs(
     chunk_size: int | None = None,
     with_entropy: bool = False,
     temperature: float = 1.0,
+    onednn: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of labels under logits = hidden @ weight.T, never forming all logits at once.
 
     hidden (N, H) or (B, T, H), weight (V, H) (the lm_head weight, no bias), labels (N,) or (B, T).
     Returns fp32 logp shaped like labels, or (logp, entropy) with ``with_entropy``. Gradients flow
-    to hidden and weight; backward recomputes each chunk's logits.
+    to hidden and weight; backward recomputes each chunk's logits. ``onednn``: the chunk products go
+    through :func:`grpo_npu.ops.linear.mm_nt` (oneDNN for fp32 CPU tensors, the same products otherwise).
     """
     labels = _check_common(labels, temperature, chunk_size)
     if hidden.shape[:-1] != labels.shape or hidden.dim() not in (2, 3):
@@ -308,6 +322,7 @@ def linear_logprobs(
     hidden_rows = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     stats = _stats_for(hidden)
     labels_rows = labels.reshape(-1)
-    logp, entropy = _LinearLogprobs.apply(hidden_rows, weight, labels_rows, temperature, rows, with_entropy, stats)
+    logp, entropy = _LinearLogprobs.apply(hidden_rows, weight, labels_rows, temperature, rows, with_entropy, stats,
+                                          onednn)
     logp = logp.view(labels.shape)
     return (logp, entropy.view(labels.shape)) if with_entropy else logp

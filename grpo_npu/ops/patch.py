@@ -6,6 +6,8 @@
 
 Nothing happens at import time. Mechanism, per op, and why:
 
+- ``linear``: every plain ``nn.Linear`` instance's ``forward`` goes through :func:`grpo_npu.ops.linear.linear`
+  (oneDNN for fp32 on CPU, F.linear elsewhere), by the same instance-attribute mechanism as below.
 - ``rms_norm`` and ``mlp``: the ``forward`` of each matching module INSTANCE is replaced (an
   instance attribute shadows the class method; unpatch deletes it). The classes, other models and
   other modules are untouched, and FSDP/gradient-checkpointing hooks keep working because they
@@ -39,18 +41,20 @@ import torch
 from torch import nn
 
 from grpo_npu.ops import attention as attention_op
+from grpo_npu.ops import linear as linear_op
 from grpo_npu.ops import rms_norm as rms_norm_op
 from grpo_npu.ops import rotary as rotary_op
 from grpo_npu.ops import swiglu as swiglu_op
 
 log = logging.getLogger(__name__)
 
-PATCHABLE_OPS = ("rms_norm", "rotary", "mlp", "attention")
+PATCHABLE_OPS = ("linear", "rms_norm", "rotary", "mlp", "attention")
 ATTN_IMPLEMENTATION = "grpo_npu"
 # transformers model families handled here -> their class-name prefix.
 FAMILIES = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}
 _STATE_ATTR = "_grpo_npu_patch"
 _OP_BACKEND = {
+    "linear": linear_op.BACKEND,
     "rms_norm": rms_norm_op.BACKEND,
     "rotary": rotary_op.BACKEND,
     "mlp": swiglu_op.BACKEND,
@@ -98,6 +102,21 @@ class _PatchState:
 # ------------------------------------------------------------------------------------------------
 # Replacement forwards (bound to module instances)
 # ------------------------------------------------------------------------------------------------
+def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return linear_op.linear(x, self.weight, self.bias)
+
+
+def _patch_linears(model: nn.Module, forwards: list, report: PatchReport) -> None:
+    """Every plain nn.Linear (projections, LM head, value head); subclasses such as LoRA layers are left alone."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            _bind(module, _linear_forward, forwards)
+            count += 1
+    if count:
+        report.rows.append(PatchRow("linear", "Linear", count, _OP_BACKEND["linear"].get()))
+
+
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm_op.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
@@ -269,7 +288,7 @@ def is_patched(model: nn.Module) -> bool:
 
 
 def patch_model(model: nn.Module, ops: tuple[str, ...] = PATCHABLE_OPS) -> PatchReport:
-    """Route the model's RMSNorm / rotary / MLP / attention through grpo_npu.ops; returns the report."""
+    """Route the model's linear layers / RMSNorm / rotary / MLP / attention through grpo_npu.ops; returns the report."""
     unknown = [op for op in ops if op not in PATCHABLE_OPS]
     if unknown:
         raise ValueError(f"patch_model: unknown ops {unknown}; known: {', '.join(PATCHABLE_OPS)}")
@@ -283,6 +302,8 @@ def patch_model(model: nn.Module, ops: tuple[str, ...] = PATCHABLE_OPS) -> Patch
             continue
         if op == "attention":
             previous_attn = _patch_attention(model, report)
+        elif op == "linear":
+            _patch_linears(model, forwards, report)
         else:
             _patch_instances(model, op, forwards, report)
     setattr(model, _STATE_ATTR, _PatchState(forwards, previous_attn, report))

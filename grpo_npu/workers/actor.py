@@ -168,6 +168,8 @@ class ResponseModel(nn.Module):
     and their gradients reduce-scattered in backward.
     """
 
+    onednn_linear = False  # build_sharded: the linear op is patched in, so the LM head's products go through it too
+
     def __init__(self, hf_model: nn.Module):
         super().__init__()
         self.hf = hf_model
@@ -191,7 +193,8 @@ class CausalLMLogProbs(ResponseModel):
     def forward(self, inputs: ModelInputs, temperature: float, with_entropy: bool):
         h = self.hidden_at_predictions(inputs)  # (N, H)
         weight = self.hf.get_output_embeddings().weight  # (V, H), gathered by the root's FSDP hook
-        out = linear_logprobs(h, weight.to(h.dtype), inputs.labels, temperature=temperature, with_entropy=with_entropy)
+        out = linear_logprobs(h, weight.to(h.dtype), inputs.labels, temperature=temperature, with_entropy=with_entropy,
+                              onednn=self.onednn_linear)
         logp, entropy = out if with_entropy else (out, None)
         valid = inputs.response_valid
         return scatter_valid(logp, valid), (scatter_valid(entropy, valid) if with_entropy else None)
@@ -226,6 +229,7 @@ def build_sharded(
     value_head: bool = False,
     seed: int = 0,
     shared_prefix: bool = False,
+    onednn_linear: bool = False,
 ) -> ResponseModel:
     """Load (rank 0 reads, others meta), patch, checkpoint, wrap and shard an HF model; weights from rank 0."""
     master_dtype = fsdp.resolve_dtype(fsdp_cfg.model_dtype, dev) if trainable else compute_dtype
@@ -234,8 +238,10 @@ def build_sharded(
     torch.manual_seed(seed)  # a freshly initialised value head is the same wherever it is built
     hf_model = fsdp.load_hf_model(path, config, dtype=master_dtype, value_head=value_head,
                                   trust_remote_code=trust_remote_code)
-    # Shared-prompt packing needs the grpo_npu attention (kv_index) even without the other fused ops.
-    patch_ops = PATCHABLE_OPS if fused_kernels else ("attention",) if shared_prefix else ()
+    # Shared-prompt packing needs the grpo_npu attention (kv_index) even without the other fused ops;
+    # model.use_onednn_linear routes the linear layers alone through grpo_npu.ops.linear.
+    wanted = {"linear": onednn_linear, "attention": shared_prefix}
+    patch_ops = PATCHABLE_OPS if fused_kernels else tuple(op for op in PATCHABLE_OPS if wanted.get(op))
     if patch_ops:
         log.info("patched ops: %s", patch_model(hf_model, ops=patch_ops))
     if gradient_checkpointing:
@@ -243,6 +249,7 @@ def build_sharded(
     hf_model.requires_grad_(trainable)
     full_state = hf_model.state_dict() if dist.get_rank() == 0 and dist.get_world_size() > 1 else {}
     wrapper = wrapper_cls(hf_model)
+    wrapper.onednn_linear = "linear" in patch_ops
     mesh = fsdp.build_mesh(dev, fsdp_cfg.fsdp_size)
     cpu_offload = fsdp_cfg.offload_policy and dev.is_accelerator
     fsdp.shard_model(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from grpo_npu.ops import dispatch
+from grpo_npu.ops import linear as linear_op
 from grpo_npu.ops import logprob as op
 
 
@@ -76,21 +78,33 @@ def test_bf16_logits_give_fp32_logp(reference_backend):
 @pytest.mark.parametrize("branch", BRANCHES)
 @pytest.mark.parametrize("with_entropy", [False, True])
 @pytest.mark.parametrize("hidden_shape,temperature,chunk", [((9, 16), 1.0, 4), ((2, 3, 16), 0.6, 1), ((5, 16), 1.0, None)])
-def test_linear_logprobs_match_naive_forward_backward(branch, with_entropy, hidden_shape, temperature, chunk, request):
+@pytest.mark.parametrize("onednn", [False, True])
+def test_linear_logprobs_match_naive_forward_backward(branch, with_entropy, hidden_shape, temperature, chunk, onednn,
+                                                      request, monkeypatch):
     request.getfixturevalue(branch)
+    if onednn and not linear_op.onednn_available():
+        pytest.skip("torch has no usable oneDNN linear")
+    products = []
+    real_mm = linear_op._mm
+    monkeypatch.setattr(linear_op, "_mm", lambda *a: products.append(1) or real_mm(*a))
     vocab = 37
     hidden = torch.randn(hidden_shape, requires_grad=True)
     weight = (0.5 * torch.randn(vocab, hidden_shape[-1])).requires_grad_()
     labels = torch.randint(0, vocab, hidden_shape[:-1])
-    out = op.linear_logprobs(hidden, weight, labels, chunk_size=chunk, with_entropy=with_entropy, temperature=temperature)
-    logp, entropy = out if with_entropy else (out, None)
-    g_logp = torch.randn_like(logp)
-    loss = (logp * g_logp).sum()
-    g_ent = torch.randn_like(logp)
-    if with_entropy:
-        loss = loss + (entropy * g_ent).sum()
-    h_before, w_before = hidden.detach().clone(), weight.detach().clone()
-    grads = torch.autograd.grad(loss, (hidden, weight))
+    with dispatch.use_backend("onednn" if onednn else "reference", ops=("linear",)):
+        out = op.linear_logprobs(hidden, weight, labels, chunk_size=chunk, with_entropy=with_entropy,
+                                 temperature=temperature, onednn=onednn)
+        logp, entropy = out if with_entropy else (out, None)
+        g_logp = torch.randn_like(logp)
+        loss = (logp * g_logp).sum()
+        g_ent = torch.randn_like(logp)
+        if with_entropy:
+            loss = loss + (entropy * g_ent).sum()
+        h_before, w_before = hidden.detach().clone(), weight.detach().clone()
+        grads = torch.autograd.grad(loss, (hidden, weight))
+    n, rows = logp.numel(), chunk or logp.numel()
+    chunks = -(-n // rows)
+    assert len(products) == (4 * chunks if onednn else 0)  # forward; backward: logits, grad hidden, grad weight
     assert torch.equal(hidden.detach(), h_before) and torch.equal(weight.detach(), w_before)
 
     h, w = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()

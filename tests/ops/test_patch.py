@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from grpo_npu.ops import linear as linear_op
 from grpo_npu.ops import patch_model, unpatch_model
 from grpo_npu.ops.attention import cu_seqlens_from_lengths
 from grpo_npu.ops.patch import ATTN_IMPLEMENTATION, is_patched
@@ -73,10 +74,14 @@ def test_patched_model_matches_unpatched(family, branch, request):
     assert (report.count("rms_norm"), report.count("mlp"), report.count("rotary"), report.count("attention")) == (
         norms, LAYERS, LAYERS, LAYERS,
     )  # fmt: skip
+    assert report.count("linear") == 7 * LAYERS + 1  # q, k, v, o, gate, up, down per layer + the LM head
     prefix = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}[family]
-    assert {r.module_class for r in report.rows} == {f"{prefix}RMSNorm", f"{prefix}MLP", f"{prefix}Attention"}
+    assert {r.module_class for r in report.rows} == {"Linear", f"{prefix}RMSNorm", f"{prefix}MLP", f"{prefix}Attention"}
     want_backend = "npu" if branch == "fake_npu" else "reference"
-    assert {r.backend for r in report.rows} == {want_backend}
+    assert {r.backend for r in report.rows if r.op != "linear"} == {want_backend}
+    # linear has no NPU kernel: forcing "npu" leaves it automatic (oneDNN on CPU where torch has it)
+    want_linear = linear_op.BACKEND.get() if branch == "fake_npu" else "reference"
+    assert {r.backend for r in report.rows if r.op == "linear"} == {want_linear}
     assert f"{prefix}MLP" in str(report)
 
     patched = _logits_and_grads(model, input_ids=ids)

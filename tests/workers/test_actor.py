@@ -101,10 +101,14 @@ def test_gradients_match_plain_model_through_chunked_logprobs(tiny_model_path):
         "packed+checkpointed+micro1": ("actor_rollout_ref.model.use_remove_padding=True",
                                       "actor_rollout_ref.model.enable_gradient_checkpointing=True",
                                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"),
+        # every linear layer's forward and backward through oneDNN (where torch has it)
+        "onednn+checkpointed": ("actor_rollout_ref.model.use_onednn_linear=True",
+                                "actor_rollout_ref.model.enable_gradient_checkpointing=True"),
     }
     for name, overrides in variants.items():
         worker = make_worker(make_cfg(tiny_model_path, *overrides))
         assert worker.actor.module.hf.is_gradient_checkpointing == ("checkpointed" in name)
+        assert ("forward" in worker.actor.module.hf.model.layers[0].mlp.up_proj.__dict__) == ("onednn" in name)
         grads = _actor_grads(worker, batch)
         assert grads.keys() == expected.keys()
         for n, g in grads.items():
