@@ -124,6 +124,15 @@ def _chunk_grad(
     return grad.div_(temperature) if temperature != 1.0 else grad
 
 
+def _defined_grads(g_logp, g_entropy, lse: torch.Tensor, with_entropy: bool):
+    """Incoming gradients with materialisation off: a None logp gradient becomes zeros; a None entropy
+    gradient (entropy computed for a metric, not in the loss) stays None so the chunk takes the cheaper
+    logp-only formula."""
+    if g_logp is None:
+        g_logp = torch.zeros_like(lse)
+    return g_logp, (g_entropy if with_entropy else None)
+
+
 def _row_blocks(shape: torch.Size, rows: int) -> Iterator[tuple]:
     """Index tuples covering a (N, ...) or (B, T, ...) tensor in row chunks of at most ``rows``."""
     if len(shape) == 1:
@@ -162,6 +171,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if with_entropy:
                 entropy[idx] = ent
         ctx.save_for_backward(logits, labels, lse)
+        ctx.set_materialize_grads(False)  # an entropy kept out of the loss arrives as None: cheaper backward
         ctx.temperature, ctx.rows, ctx.with_entropy = temperature, rows, with_entropy
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -170,10 +180,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
         logits, labels, lse = ctx.saved_tensors
+        g_logp, g_entropy = _defined_grads(g_logp, g_entropy, lse, ctx.with_entropy)
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
         for idx in _row_blocks(labels.shape, ctx.rows):
             z = _tempered(logits[idx], ctx.temperature, writable=True)
-            g_ent = g_entropy[idx] if ctx.with_entropy else None
+            g_ent = g_entropy[idx] if g_entropy is not None else None
             grad[idx] = _chunk_grad(z, labels[idx], lse[idx], g_logp[idx], g_ent, ctx.temperature)
         return grad, None, None, None, None, None
 
@@ -196,6 +207,7 @@ class _LinearLogprobs(torch.autograd.Function):
             if with_entropy:
                 entropy[s : s + rows] = ent
         ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.set_materialize_grads(False)  # an entropy kept out of the loss arrives as None: cheaper backward
         ctx.temperature, ctx.rows, ctx.with_entropy, ctx.onednn = temperature, rows, with_entropy, onednn
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -204,6 +216,7 @@ class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
         hidden, weight, labels, lse = ctx.saved_tensors
+        g_logp, g_entropy = _defined_grads(g_logp, g_entropy, lse, ctx.with_entropy)
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         onednn = ctx.onednn and hidden.dtype == torch.float32
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -212,7 +225,7 @@ class _LinearLogprobs(torch.autograd.Function):
             block = slice(s, s + ctx.rows)
             h = hidden[block]
             z = _tempered(mm_nt(h, weight, onednn=onednn), ctx.temperature, writable=True, owned=True)  # (rows, V)
-            g_ent = g_entropy[block] if ctx.with_entropy else None
+            g_ent = g_entropy[block] if g_entropy is not None else None
             g = _chunk_grad(z, labels[block], lse[block], g_logp[block], g_ent, ctx.temperature).to(hidden.dtype)
             if need_hidden:
                 grad_hidden[block] = mm_nt(g, weight.t(), onednn=onednn)  # g @ weight

@@ -160,3 +160,30 @@ def test_rejects_bad_inputs(reference_backend):
         op.linear_logprobs(logits, torch.randn(5, 9), labels)
     with pytest.raises(ValueError, match="dtype"):
         op.linear_logprobs(logits, torch.randn(5, 10).double(), labels)
+
+
+@pytest.mark.parametrize("linear", [False, True])
+def test_entropy_kept_out_of_the_loss_takes_the_logp_only_backward(linear, reference_backend, monkeypatch):
+    """Entropy for a metric only (detached): same gradients as a logp-only call, and no entropy term in backward."""
+    seen = []
+    real = op._chunk_grad
+    monkeypatch.setattr(op, "_chunk_grad", lambda z, lab, lse, gl, ge, t: seen.append(ge) or real(z, lab, lse, gl, ge, t))
+    hidden = torch.randn(7, 16, requires_grad=True)
+    weight = 0.5 * torch.randn(29, 16)
+    labels = torch.randint(0, 29, (7,))
+
+    def run(with_entropy):
+        if linear:
+            out = op.linear_logprobs(hidden, weight, labels, chunk_size=3, with_entropy=with_entropy)
+        else:
+            out = op.logprobs_from_logits(hidden @ weight.t(), labels, chunk_size=3, with_entropy=with_entropy)
+        logp = out[0] if with_entropy else out
+        if with_entropy:
+            assert out[1].requires_grad  # differentiable; simply not used below
+        return torch.autograd.grad((logp * torch.arange(7.0)).sum(), hidden)[0]
+
+    plain = run(False)
+    seen.clear()
+    with_metric = run(True)
+    assert seen and all(g is None for g in seen)
+    torch.testing.assert_close(with_metric, plain, rtol=0, atol=0)
