@@ -1,7 +1,9 @@
 """End-to-end GRPO step: grpo_npu's ``Trainer`` against TRL's ``GRPOTrainer`` on the same workload.
 
-Run: ``python -m bench.step_vs_trl [--quick] [--model tiny|0.5b] [--device cpu|auto] [--threads N]``.
-Target: grpo_npu (``rollout.name=hf``, transformers generation like TRL's) >= 2x TRL's steps/s.
+Run: ``python -m bench.step_vs_trl [--quick] [--model tiny|0.5b] [--device cpu|auto] [--threads N]
+[--trl-env-defaults]``.
+Target: grpo_npu >= 2x TRL's steps/s, reported for both rollouts: ``rollout.name=vllm`` (grpo_npu's engine)
+and ``rollout.name=hf`` (transformers generation, like TRL's).
 
 The workload, identical on both sides:
 - the same checkpoint (the offline tiny Qwen2, or ``--model 0.5b``: Qwen2.5-0.5B's shape with random

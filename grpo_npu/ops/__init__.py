@@ -1,4 +1,4 @@
-"""NPU-native kernels with plain-PyTorch references, each op choosing its backend once.
+"""NPU-native kernels (and a oneDNN CPU linear) with plain-PyTorch references, each op choosing its backend once.
 
 Ops (module -> NPU kernel):
     rms_norm.rms_norm            torch_npu.npu_rms_norm
@@ -7,6 +7,7 @@ Ops (module -> NPU kernel):
     attention.attention          torch_npu.npu_fusion_attention
     logprob.logprobs_from_logits torch_npu.npu_cross_entropy_loss (chunked; flash-attn CE on CUDA)
     logprob.linear_logprobs      chunked lm_head + log-softmax, logits never materialised in full
+    linear.linear                (CPU) oneDNN's fp32 matmul with a hand-written backward; F.linear elsewhere
 :func:`patch_model` swaps them into a transformers Qwen2/Qwen3/Llama model (reversible; see patch.py).
 Importing this package never imports torch_npu and never patches anything. The functions named
 like their module (``rms_norm``, ``swiglu``, ``attention``) are imported from the module
