@@ -2,9 +2,10 @@
 
 It runs the real job end to end: tiny kit, synthetic task, SFT warm start, then GRPO with a KL loss.
 The validation reward (4 sampled answers per test prompt) after GRPO must beat the one after SFT by
-LEARNING_MARGIN. Measured on 2 CPU cores (README, "The default job"): 0.102 after SFT -> 0.213 after
-60 GRPO steps; the margin is about half the measured gain, leaving room for run-to-run noise (one
-validation of 512 samples has ~0.016 std).
+LEARNING_MARGIN. Measured on 2 CPU cores (README, "The default job"): 0.141 after SFT -> 0.217 after
+60 GRPO steps (0.102 -> 0.213 before AdamW went fused, which moved the SFT warm start); the margin is
+about half the measured gain and 2.5x the noise of one validation of 512 samples (~0.016 std), so a
+run that stops learning fails.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from grpo_npu.main_ppo import main
 
 pytestmark = pytest.mark.slow
 
-LEARNING_MARGIN = 0.06  # measured: 0.102 -> 0.213 (+0.111); one-measurement noise ~0.016 std
+LEARNING_MARGIN = 0.04  # measured: 0.141 -> 0.217 (+0.076); one-measurement noise ~0.016 std
 VAL_KEY = "val-core/openai/gsm8k/reward/mean@4"
 
 
