@@ -30,9 +30,11 @@ def _reference_values(worker, batch) -> torch.Tensor:
     return logits[:, p - 1 : -1, 0] * batch.response_mask
 
 
-def test_critic_only_for_gae_and_values_match_plain_model(tiny_model_path):
+@pytest.mark.parametrize("onednn", [False, True])  # True: the critic's linears and value head through oneDNN
+def test_critic_only_for_gae_and_values_match_plain_model(tiny_model_path, onednn):
     assert make_worker(make_cfg(tiny_model_path)).critic is None  # grpo: no critic
-    worker = make_worker(make_cfg(tiny_model_path, *PPO))
+    worker = make_worker(make_cfg(tiny_model_path, *PPO, f"actor_rollout_ref.model.use_onednn_linear={onednn}"))
+    assert ("forward" in worker.critic.module.hf.score.__dict__) == onednn
     batch = make_batch(seed=11)
     values = worker.compute_values(batch)
     assert values.shape == batch.response_ids.shape and values.dtype == torch.float32
