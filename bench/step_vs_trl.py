@@ -459,8 +459,9 @@ def run(quick: bool = False, model: str = "tiny", device: str = "cpu", sides: tu
         "optimizer); tokens = prompt + response tokens without padding, as each trainer counts them",
         "one optimizer step per batch: both trainers take the old log-probs from the update's own forward (grpo_npu "
         "actor.old_log_prob=auto, TRL num_iterations=1), so neither runs a separate old-policy pass",
-        "grpo_npu on CPU runs its linear layers through oneDNN (model.use_onednn_linear=True; tested equal to "
-        "F.linear); TRL's go through torch's default fp32 matmul (MKL)",
+        "grpo_npu runs its linear layers through oneDNN (model.use_onednn_linear=True; tested equal to F.linear); "
+        "TRL's go through torch's default fp32 matmul (MKL on this CPU)" if work.device == "cpu" else
+        "both trainers' linear layers go through torch's F.linear (model.use_onednn_linear is CPU-only)",
         "grpo_npu packs each prompt once with its n responses (model.share_prompt_prefix=True; tested equal to padded "
         "rows): its actor/reference passes process fewer tokens for the same loss and gradients",
         "process environment: grpo_npu runs with what its entry points set before torch starts ("

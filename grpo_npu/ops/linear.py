@@ -99,10 +99,6 @@ def mm_nt(a: torch.Tensor, b: torch.Tensor, *, onednn: bool) -> torch.Tensor:
     return a @ b.t()
 
 
-def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; fp32 CPU tensors go through oneDNN when the backend is ``onednn``."""
     if BACKEND.pick(x) == "onednn" and _onednn_fits(x, weight, bias):

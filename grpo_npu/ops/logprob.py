@@ -229,11 +229,10 @@ class _LinearLogprobs(torch.autograd.Function):
             g = _chunk_grad(z, labels[block], lse[block], g_logp[block], g_ent, ctx.temperature).to(hidden.dtype)
             if need_hidden:
                 grad_hidden[block] = mm_nt(g, weight.t(), onednn=onednn)  # g @ weight
-            if need_weight:
-                if onednn:  # g.T @ h as one oneDNN product per chunk
-                    part = mm_nt(g.t(), h.t(), onednn=True)
-                    grad_weight = part if grad_weight is None else grad_weight.add_(part)
-                    continue
+            if need_weight and onednn:  # g.T @ h as one oneDNN product per chunk, no zero-filled start
+                part = mm_nt(g.t(), h.t(), onednn=True)
+                grad_weight = part if grad_weight is None else grad_weight.add_(part)
+            elif need_weight:
                 if grad_weight is None:
                     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
                 if g.dtype == torch.float32:

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from grpo_npu.cli import PROCESS_ENV_DEFAULTS
 from grpo_npu.tools import write_atomic
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
@@ -391,8 +392,6 @@ def _hccl_check(facts: Facts, environ: Mapping[str, str]) -> Check:
 
 
 def _thp_alloc_check(environ: Mapping[str, str]) -> Check:
-    from grpo_npu.cli import PROCESS_ENV_DEFAULTS
-
     name, want = "THP_MEM_ALLOC_ENABLE", PROCESS_ENV_DEFAULTS["THP_MEM_ALLOC_ENABLE"]
     raw = environ.get(name)
     if raw is None:
