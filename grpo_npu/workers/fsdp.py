@@ -422,15 +422,26 @@ def gathered(module: nn.Module) -> Iterator[None]:
             m.reshard()
 
 
+def _param_groups(state: Any) -> list:
+    """The unit's parameter groups: a list since torch 2.12 (``_fsdp_param_groups``), one group before."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def _reshard_setting(m: FSDPModule) -> tuple:
     """FSDP2 keeps reshard-after-forward per parameter group with no public getter: read its fields."""
     state = m._get_fsdp_state()
-    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+    return (getattr(state, "_auto_reshard_after_forward", None),
+            [g.post_forward_mesh_info for g in _param_groups(state)])
 
 
 def _restore_reshard_setting(m: FSDPModule, setting: tuple) -> None:
     auto, infos = setting
     state = m._get_fsdp_state()
-    state._auto_reshard_after_forward = auto
-    for group, info in zip(state._fsdp_param_groups, infos):
+    if auto is not None:
+        state._auto_reshard_after_forward = auto
+    for group, info in zip(_param_groups(state), infos):
         group.post_forward_mesh_info = info

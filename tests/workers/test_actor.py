@@ -331,13 +331,41 @@ def test_hf_generate_gathers_each_layer_once_and_reshards(tiny_model_path, monke
                                                                              ignore_eos=True))
     monkeypatch.setattr(FSDPParamGroup, "unshard", real_unshard)
     assert len(gathers) == len(units) > 2  # 6 tokens x 4 layers would be 24+ per-forward gathers
-    assert all(not g.is_unsharded for m in units for g in m._get_fsdp_state()._fsdp_param_groups)
+    assert all(not g.is_unsharded for m in units for g in fsdp._param_groups(m._get_fsdp_state()))
     assert [fsdp._reshard_setting(m) for m in units] == settings
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     want = plain.generate(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, do_sample=False,
                           max_new_tokens=6, min_new_tokens=6, pad_token_id=0, eos_token_id=[])
     assert torch.equal(out.response_ids, want[:, batch.prompt_ids.shape[1]:])
+
+
+class _Group:
+    def __init__(self, info):
+        self.post_forward_mesh_info = info
+
+
+@pytest.mark.parametrize("layout", ["groups", "group", "none"])
+def test_reshard_setting_reads_both_fsdp_state_layouts(layout):
+    """torch >= 2.12 keeps a list of parameter groups per unit; torch 2.11 (seen on the CUDA image) one
+    group or None, and may lack the auto flag: read and restore either without touching the other."""
+    from types import SimpleNamespace
+
+    groups = [_Group("a"), _Group("b")]
+    state = {"groups": SimpleNamespace(_fsdp_param_groups=groups, _auto_reshard_after_forward=True),
+             "group": SimpleNamespace(_fsdp_param_group=groups[0]),
+             "none": SimpleNamespace(_fsdp_param_group=None)}[layout]
+    unit = SimpleNamespace(_get_fsdp_state=lambda: state)
+    setting = fsdp._reshard_setting(unit)
+    want = {"groups": (True, ["a", "b"]), "group": (None, ["a"]), "none": (None, [])}[layout]
+    assert setting == want
+    for g in groups:
+        g.post_forward_mesh_info = "changed"
+    if layout == "groups":
+        state._auto_reshard_after_forward = False
+    fsdp._restore_reshard_setting(unit, setting)
+    assert [g.post_forward_mesh_info for g in fsdp._param_groups(state)] == want[1]
+    assert getattr(state, "_auto_reshard_after_forward", None) == want[0]
 
 
 def _shared_prompt_batch(seed: int):
