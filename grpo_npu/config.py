@@ -337,8 +337,8 @@ class RolloutConfig:
     """Fraction of device memory vLLM may use for weights and KV cache."""
     ignore_eos: bool = False
     """Keep generating past eos (benchmarks)."""
-    enforce_eager: bool = True
-    """Disable graph capture (CUDA graphs / ACL graphs)."""
+    enforce_eager: Optional[bool] = None
+    """Disable graph capture (CUDA graphs / ACL graphs); None: eager on CPU and NPU, graphs on CUDA."""
     free_cache_engine: bool = True
     """Release the KV cache (sleep) after each rollout."""
     enable_sleep_mode: bool = True

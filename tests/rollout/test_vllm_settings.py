@@ -79,6 +79,13 @@ def test_engine_kwargs_on_accelerators_use_external_launcher_for_tp():
     assert "distributed_executor_backend" not in _kwargs("cuda", tensor_model_parallel_size=1)
 
 
+@pytest.mark.parametrize("device_kind, auto", [("cpu", True), ("npu", True), ("cuda", False)])
+def test_enforce_eager_auto_captures_graphs_on_cuda_only(device_kind, auto):
+    assert _kwargs(device_kind)["enforce_eager"] is auto  # None: the device decides
+    for explicit in (True, False):  # an explicit value is kept on every device
+        assert _kwargs(device_kind, enforce_eager=explicit)["enforce_eager"] is explicit
+
+
 def test_engine_kwargs_user_overrides_and_bad_lengths():
     kw = _kwargs("cpu", engine_kwargs={"vllm": {"kv_cache_memory_bytes": 123, "swap_space": 4}})
     assert kw["kv_cache_memory_bytes"] == 123 and kw["swap_space"] == 4
