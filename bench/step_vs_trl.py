@@ -79,6 +79,7 @@ class Workload:
     lr: float = 1e-5
     beta: float = 0.001  # KL coefficient (> 0: the reference model runs on both sides)
     seed: int = 0
+    overrides: tuple[str, ...] = ()  # extra key=value for grpo_npu's sides only (applied last)
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -150,6 +151,11 @@ class StepClock:
 # ------------------------------------------------------------------------------------------------
 # Side 1: grpo_npu's Trainer
 # ------------------------------------------------------------------------------------------------
+def share_prompt_prefix(device: str) -> bool:
+    """Whether grpo_npu's sides pack each prompt once with its responses (where it measured faster: CPU)."""
+    return device == "cpu"
+
+
 def grpo_npu_overrides(work: Workload, inputs: dict, rollout: str, run_dir: Path) -> list[str]:
     """The command-line overrides that give grpo_npu's Trainer the shared workload."""
     micro = work.micro_batch
@@ -160,8 +166,10 @@ def grpo_npu_overrides(work: Workload, inputs: dict, rollout: str, run_dir: Path
         f"data.max_response_length={work.response_len}",
         f"actor_rollout_ref.model.path={inputs['model']}",
         "actor_rollout_ref.model.enable_gradient_checkpointing=True",
-        # each prompt's tokens go through the layers once for its n responses: same loss and gradients
-        "actor_rollout_ref.model.share_prompt_prefix=True",
+        # each prompt's tokens go through the layers once for its n responses: same loss and gradients.
+        # CPU only: on CUDA without a varlen attention kernel it loops SDPA per prompt, which measured a 2.1x
+        # slower update at the 0.5B shape on an H100 (4.5 s vs 2.1 s)
+        f"actor_rollout_ref.model.share_prompt_prefix={share_prompt_prefix(work.device)}",
         # linear layers through oneDNN's fp32 matmul instead of torch's MKL sgemm (CPU only; same products)
         f"actor_rollout_ref.model.use_onednn_linear={work.device == 'cpu'}",
         f"actor_rollout_ref.model.use_remove_padding={USE_REMOVE_PADDING}", "actor_rollout_ref.model.dtype=float32",
@@ -190,6 +198,7 @@ def grpo_npu_overrides(work: Workload, inputs: dict, rollout: str, run_dir: Path
         # fit() always checkpoints its last step (outside the timed steps); the optimizer state is not needed
         # and, for the 0.5B shape, its full gather is what pushes a 24 GB machine over the edge.
         "actor_rollout_ref.actor.checkpoint.save_contents=['model']",
+        *work.overrides,
     ]
 
 
@@ -414,7 +423,7 @@ TARGETS = {"grpo_npu_hf": "grpo_npu_hf_vs_trl_steps_per_s", "grpo_npu_vllm": "gr
 
 
 def run(quick: bool = False, model: str = "tiny", device: str = "cpu", sides: tuple[str, ...] = SIDES,
-        trl_env_defaults: bool = False, **sizes) -> BenchResult:
+        trl_env_defaults: bool = False, overrides: tuple[str, ...] = (), **sizes) -> BenchResult:
     """End-to-end GRPO step: grpo_npu vs TRL on the same workload; ``sizes`` override Workload fields."""
     from grpo_npu.device import resolve_kind
 
@@ -422,7 +431,11 @@ def run(quick: bool = False, model: str = "tiny", device: str = "cpu", sides: tu
     if unknown:
         raise ValueError(f"unknown sides {sorted(unknown)}; known: {list(SIDES)}")
     base = QUICK if quick else (FULL_05B if model == "0.5b" else FULL)
-    work = replace(base, model=model, device=resolve_kind(device), **{k: v for k, v in sizes.items() if v is not None})
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ValueError(f"--override {bad[0]!r}: expected key=value (a grpo_npu config key)")
+    work = replace(base, model=model, device=resolve_kind(device), overrides=tuple(overrides),
+                   **{k: v for k, v in sizes.items() if v is not None})
     result = BenchResult(name="step_vs_trl")
     skipped = {side: why for side in sides if (why := missing_dependency(side))}
     load_before = os.getloadavg()
@@ -463,13 +476,18 @@ def run(quick: bool = False, model: str = "tiny", device: str = "cpu", sides: tu
         "TRL's go through torch's default fp32 matmul (MKL on this CPU)" if work.device == "cpu" else
         "both trainers' linear layers go through torch's F.linear (model.use_onednn_linear is CPU-only)",
         "grpo_npu packs each prompt once with its n responses (model.share_prompt_prefix=True; tested equal to padded "
-        "rows): its actor/reference passes process fewer tokens for the same loss and gradients",
+        "rows): its actor/reference passes process fewer tokens for the same loss and gradients"
+        if share_prompt_prefix(work.device) else
+        "both trainers run padded rows (grpo_npu's model.share_prompt_prefix is off off CPU: without a varlen "
+        "attention kernel it loops attention per prompt)",
         "process environment: grpo_npu runs with what its entry points set before torch starts ("
         + ", ".join(f"{k}={v}" for k, v in PROCESS_ENV_DEFAULTS.items()) + ", unless already set); TRL runs with "
         + ("the same (--trl-env-defaults)" if trl_env_defaults else "the caller's environment as it is "
            "(--trl-env-defaults gives it grpo_npu's defaults too)"),
         f"load average (1/5/15 min) before {_load(load_before)}, after {_load(load_after)}, on {os.cpu_count()} CPUs",
     ]
+    if work.overrides:
+        result.notes.append("grpo_npu sides ran with these overrides on top: " + " ".join(work.overrides))
     if quick:
         result.notes.append("quick sizes: ratios are indicative only")
     return result
@@ -495,6 +513,8 @@ def main(argv: list[str] | None = None) -> BenchResult | None:
                         help=f"torch threads, every side (default {DEFAULT_THREADS})")
     for field in SIZE_FIELDS:
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=None, help="override the preset's size")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a grpo_npu config override for its sides (repeatable; applied after the workload's)")
     ours, rest = parser.parse_known_args(argv)
     if {"-h", "--help"} & set(rest):
         parser.print_help()
@@ -503,7 +523,7 @@ def main(argv: list[str] | None = None) -> BenchResult | None:
     def configured(quick: bool = False) -> BenchResult:
         """End-to-end GRPO step: grpo_npu vs TRL's GRPOTrainer (steps/s, tokens/s, ratio)."""
         return run(quick=quick, model=ours.model, device=ours.device, sides=tuple(ours.sides),
-                   trl_env_defaults=ours.trl_env_defaults, **sizes)
+                   trl_env_defaults=ours.trl_env_defaults, overrides=tuple(ours.override), **sizes)
 
     return bench_main(configured, rest)
 

@@ -47,6 +47,22 @@ def test_grpo_npu_side_does_one_optimizer_step_per_generation_batch(inputs, tmp_
     assert cfg.trainer.total_training_steps == 1 + work.timed_steps
 
 
+def test_overrides_reach_grpo_npu_last_and_prompt_sharing_is_cpu_only(inputs, tmp_path):
+    from grpo_npu.config import load_config
+
+    def loaded(work):
+        return load_config(svt.grpo_npu_overrides(work, inputs, "vllm", tmp_path / "run")).actor_rollout_ref
+
+    assert loaded(svt.FULL).model.share_prompt_prefix is True
+    assert loaded(replace(svt.FULL, device="cuda")).model.share_prompt_prefix is False
+    work = replace(svt.FULL, overrides=("actor_rollout_ref.rollout.enforce_eager=False",
+                                        "actor_rollout_ref.model.share_prompt_prefix=False"))
+    ref = loaded(work)
+    assert ref.rollout.enforce_eager is False and ref.model.share_prompt_prefix is False  # after the workload's
+    with pytest.raises(ValueError, match="expected key=value"):
+        svt.run(overrides=("enforce_eager",))
+
+
 def test_trl_side_does_one_optimizer_step_per_generation_batch(tmp_path):
     pytest.importorskip("trl")
     from trl import GRPOConfig
