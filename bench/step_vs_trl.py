@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.common import BenchResult, bench_main
-from grpo_npu.cli import PROCESS_ENV_DEFAULTS, apply_process_env_defaults
+from grpo_npu.cli import CPU_MALLOC_ENV, PROCESS_ENV_DEFAULTS, apply_process_env_defaults, cpu_malloc_defaults
 
 TARGET_SPEEDUP = 2.0
 # One intra-op thread by default: on a shared 2-core machine a parallel region stalls whenever another
@@ -374,11 +374,16 @@ def missing_dependency(side: str) -> str | None:
     return None
 
 
+def process_env(device: str) -> dict[str, str]:
+    """The variables grpo_npu's entry points give a run on ``device`` (where the caller has not set them)."""
+    return {**PROCESS_ENV_DEFAULTS, **(CPU_MALLOC_ENV if device == "cpu" else {})}
+
+
 def run_side(side: str, work: Workload, inputs: dict, root: Path, trl_env_defaults: bool = False) -> dict:
     """Run one side in a fresh Python process and return its measurements; raise if it fails.
 
-    grpo_npu's sides get the process environment its entry points set (``cli.PROCESS_ENV_DEFAULTS``); TRL's
-    gets the caller's environment as it is, unless ``trl_env_defaults``.
+    grpo_npu's sides get the process environment its entry points set (``cli.PROCESS_ENV_DEFAULTS``, and on CPU
+    ``cli.CPU_MALLOC_ENV``); TRL's gets the caller's environment as it is, unless ``trl_env_defaults``.
     """
     out = root / side
     out.mkdir(parents=True, exist_ok=True)
@@ -386,6 +391,8 @@ def run_side(side: str, work: Workload, inputs: dict, root: Path, trl_env_defaul
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     if side != "trl" or trl_env_defaults:  # what `python -m grpo_npu.main_ppo` gives its own process
         apply_process_env_defaults(env)
+        if work.device == "cpu":
+            cpu_malloc_defaults(env)
     cmd = [sys.executable, "-m", "bench.step_vs_trl", "--worker", "--side", side, "--work", json.dumps(asdict(work)),
            "--inputs", json.dumps(inputs), "--out", str(out)]
     start = time.perf_counter()
@@ -481,7 +488,8 @@ def run(quick: bool = False, model: str = "tiny", device: str = "cpu", sides: tu
         "both trainers run padded rows (grpo_npu's model.share_prompt_prefix is off off CPU: without a varlen "
         "attention kernel it loops attention per prompt)",
         "process environment: grpo_npu runs with what its entry points set before torch starts ("
-        + ", ".join(f"{k}={v}" for k, v in PROCESS_ENV_DEFAULTS.items()) + ", unless already set); TRL runs with "
+        + ", ".join(f"{k}={v}" for k, v in process_env(work.device).items())
+        + ", unless already set); TRL runs with "
         + ("the same (--trl-env-defaults)" if trl_env_defaults else "the caller's environment as it is "
            "(--trl-env-defaults gives it grpo_npu's defaults too)"),
         f"load average (1/5/15 min) before {_load(load_before)}, after {_load(load_after)}, on {os.cpu_count()} CPUs",

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
-from typing import Callable, MutableMapping
+from typing import Any, Callable, MutableMapping
 
 from grpo_npu.config import ConfigError
 
@@ -37,6 +38,61 @@ def apply_process_env_defaults(environ: MutableMapping[str, str] | None = None) 
             "torch was imported before grpo_npu's entry point: %s applies to child processes only (export it "
             "before starting Python to cover this one)", ", ".join(f"{k}={v}" for k, v in missing.items()))
     return missing
+
+
+# glibc malloc settings for runs on CPU (trainer.device=cpu), read by each process when it starts. By default
+# glibc serves every buffer above its mmap threshold (128 KB, adapting up to 32 MB) with a fresh mapping and
+# unmaps it on free, so the gigabytes a training step allocates and frees come back as new pages each time:
+# page faults, zeroing and (with huge pages) compaction, all system time. With no mmap and a high trim
+# threshold the process keeps freed memory and reuses it. Measured on the 0.5B shape (2 cores): the update
+# went from 9.8-12.1 s (7-9 s of it system time) to 5.8-8.0 s; peak RSS rose from 12.2 to 14.8 GB.
+# Accelerator runs are left alone: their host memory peaks (checkpoint gathers, weight offload) should go back.
+CPU_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt() parameter numbers (glibc's malloc.h)
+
+
+def cpu_malloc_defaults(environ: MutableMapping[str, str], libc: Any = None) -> dict[str, str]:
+    """Add CPU_MALLOC_ENV to ``environ`` for processes started with it; returns what was set.
+
+    Nothing where the C library is not glibc, or where the user set either variable (their malloc tuning
+    is kept whole).
+    """
+    if any(key in environ for key in CPU_MALLOC_ENV) or (_glibc() if libc is None else libc) is None:
+        return {}
+    environ.update(CPU_MALLOC_ENV)
+    return dict(CPU_MALLOC_ENV)
+
+
+def retain_freed_host_memory(environ: MutableMapping[str, str] | None = None, libc: Any = None) -> dict[str, str]:
+    """Apply CPU_MALLOC_ENV to child processes (through ``environ``) and to this one (through ``mallopt``)."""
+    libc = _glibc() if libc is None else libc
+    added = cpu_malloc_defaults(os.environ if environ is None else environ, libc)
+    if added and not (libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1):
+        logging.getLogger(__name__).info("mallopt refused the CPU malloc settings; child processes still get %s",
+                                         ", ".join(f"{k}={v}" for k, v in added.items()))
+    return added
+
+
+def _glibc() -> Any:
+    """This process's C library when it is glibc (Linux), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return None
+    return libc if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt") else None
+
+
+def apply_device_defaults(device: str) -> dict[str, str]:
+    """Process settings that depend on ``trainer.device``; call once the configuration is known."""
+    from grpo_npu.device import DeviceError, resolve_kind
+
+    try:
+        kind = resolve_kind(device)
+    except DeviceError:  # the trainer reports it, with its context
+        return {}
+    return retain_freed_host_memory() if kind == "cpu" else {}
 
 
 def setup_logging() -> None:

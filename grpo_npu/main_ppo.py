@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from grpo_npu.cli import apply_process_env_defaults, exit_code, setup_logging
+from grpo_npu.cli import apply_device_defaults, apply_process_env_defaults, exit_code, setup_logging
 from grpo_npu.config import config_from_argv
 
 
@@ -21,6 +21,7 @@ def train(argv: list[str]) -> None:
     cfg, _ = config_from_argv(argv)
     if cfg is None:  # --help or --cfg
         return
+    apply_device_defaults(cfg.trainer.device)  # CPU runs keep freed host memory (cli.CPU_MALLOC_ENV)
     from grpo_npu.trainer import Trainer
 
     trainer = Trainer(cfg)

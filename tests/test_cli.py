@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from grpo_npu import main_ppo, main_sft
-from grpo_npu.cli import PROCESS_ENV_DEFAULTS, apply_process_env_defaults
+from grpo_npu import cli
+from grpo_npu.cli import CPU_MALLOC_ENV, PROCESS_ENV_DEFAULTS, apply_process_env_defaults
 
 BASE = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "trainer.n_gpus_per_node=1",
         "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]
@@ -72,3 +73,64 @@ def test_entry_point_sets_thp_before_torch_reads_it(preset, page_aligned):
         env["THP_MEM_ALLOC_ENABLE"] = preset
     out = subprocess.run([sys.executable, "-c", _ALIGNMENT_PROBE], env=env, capture_output=True, text=True, check=True)
     assert (out.stdout.strip().splitlines()[-1] == "[0]") is page_aligned
+
+
+class _FakeLibc:
+    def __init__(self, result=1):
+        self.calls, self.result = [], result
+
+    def mallopt(self, param, value):
+        self.calls.append((param, value))
+        return self.result
+
+
+def test_cpu_malloc_settings_reach_children_and_this_process():
+    libc, env = _FakeLibc(), {}
+    assert cli.retain_freed_host_memory(env, libc) == CPU_MALLOC_ENV == env
+    assert libc.calls == [(-4, 0), (-1, 2**31 - 1)]  # M_MMAP_MAX = 0, M_TRIM_THRESHOLD = 2 GiB - 1
+    assert env == {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+
+
+@pytest.mark.parametrize("preset", [{"MALLOC_MMAP_MAX_": "65536"}, {"MALLOC_TRIM_THRESHOLD_": "0"}])
+def test_users_own_malloc_tuning_is_kept_whole(preset):
+    libc, env = _FakeLibc(), dict(preset)
+    assert cli.retain_freed_host_memory(env, libc) == {} and env == preset and libc.calls == []
+
+
+def test_cpu_malloc_settings_need_glibc_and_a_cpu_run(monkeypatch):
+    monkeypatch.setattr(cli, "_glibc", lambda: None)  # musl, macOS, ...
+    env = {}
+    assert cli.retain_freed_host_memory(env) == {} and env == {}
+    monkeypatch.setattr(cli, "retain_freed_host_memory", lambda: dict(CPU_MALLOC_ENV))
+    import grpo_npu.device as device
+
+    assert cli.apply_device_defaults("cpu") == CPU_MALLOC_ENV
+    monkeypatch.setattr(device, "resolve_kind", lambda name: "cuda")
+    assert cli.apply_device_defaults("auto") == {}  # accelerator hosts hand their host memory back
+    assert cli.apply_device_defaults("npu") == {}
+
+
+# 256 MB, written, freed: by default glibc unmaps it (RSS drops); retained, the process keeps it for reuse.
+_RETAIN_PROBE = """
+import sys, torch
+from grpo_npu import cli
+if sys.argv[1] == "retain":
+    assert cli.retain_freed_host_memory() == cli.CPU_MALLOC_ENV
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+t = torch.ones(64 << 20)  # 256 MB
+held = rss_mb()
+del t
+print(round(held - rss_mb()))
+"""
+
+
+@pytest.mark.skipif(cli._glibc() is None, reason="needs glibc")
+@pytest.mark.parametrize("mode, kept", [("default", False), ("retain", True)])
+def test_freed_host_memory_is_kept_only_when_retained(mode, kept):
+    env = {k: v for k, v in os.environ.items() if k not in CPU_MALLOC_ENV}
+    out = subprocess.run([sys.executable, "-c", _RETAIN_PROBE, mode], env=env, capture_output=True, text=True,
+                         check=True)
+    released_mb = int(out.stdout.strip().splitlines()[-1])
+    assert (released_mb < 16) is kept, f"{mode}: {released_mb} MB handed back on free"
