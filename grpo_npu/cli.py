@@ -45,7 +45,7 @@ def apply_process_env_defaults(environ: MutableMapping[str, str] | None = None) 
 # unmaps it on free, so the gigabytes a training step allocates and frees come back as new pages each time:
 # page faults, zeroing and (with huge pages) compaction, all system time. With no mmap and a high trim
 # threshold the process keeps freed memory and reuses it. Measured on the 0.5B shape (2 cores): the update
-# went from 9.8-12.1 s (7-9 s of it system time) to 5.8-8.0 s; peak RSS rose from 12.2 to 14.8 GB.
+# went from 9.8-12.1 s (7-9 s of it system time) to 5.3-8.4 s; peak RSS rose from 12.2 to 14.8-16.4 GB.
 # Accelerator runs are left alone: their host memory peaks (checkpoint gathers, weight offload) should go back.
 CPU_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt() parameter numbers (glibc's malloc.h)
