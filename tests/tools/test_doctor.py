@@ -154,6 +154,20 @@ def test_thp_alloc_env(value, status):
     assert (c.fix == "unset THP_MEM_ALLOC_ENABLE (grpo_npu then sets 1)") is (status == WARN)
 
 
+@pytest.mark.parametrize("env, status", [
+    ({}, OK),
+    ({"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}, OK),
+    ({"MALLOC_MMAP_MAX_": "65536"}, WARN),
+    ({"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "131072"}, WARN),
+])
+def test_cpu_malloc_retain_env(env, status):
+    c = check(cpu_facts(), env, "cpu_malloc_retain")
+    assert c.status == status
+    assert (c.fix == "unset MALLOC_MMAP_MAX_ and MALLOC_TRIM_THRESHOLD_ (grpo_npu then sets them on CPU runs)") \
+        is (status == WARN)
+    assert check(npu_facts(), {**GOOD_NPU_ENV, **env}, "cpu_malloc_retain").status == OK  # n/a with a device
+
+
 @pytest.mark.parametrize("value, status", [(None, WARN), ("120", WARN), ("1799", WARN), ("abc", WARN),
                                            ("1800", OK), ("5400", OK)])
 def test_hccl_connect_timeout_on_npu(value, status):
