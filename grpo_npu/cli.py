@@ -47,7 +47,8 @@ def apply_process_env_defaults(environ: MutableMapping[str, str] | None = None) 
 # threshold the process keeps freed memory and reuses it. Measured on the 0.5B shape (2 cores): the update
 # went from 9.8-12.1 s (7-9 s of it system time) to 5.3-8.4 s; peak RSS rose from 12.2 to 14.8-16.4 GB.
 # Accelerator runs are left alone: their host memory peaks (checkpoint gathers, weight offload) should go back.
-CPU_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+_TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int: the top of the heap is trimmed only past 2 GiB free
+CPU_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(_TRIM_THRESHOLD_BYTES)}
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt() parameter numbers (glibc's malloc.h)
 
 
@@ -67,7 +68,8 @@ def retain_freed_host_memory(environ: MutableMapping[str, str] | None = None, li
     """Apply CPU_MALLOC_ENV to child processes (through ``environ``) and to this one (through ``mallopt``)."""
     libc = _glibc() if libc is None else libc
     added = cpu_malloc_defaults(os.environ if environ is None else environ, libc)
-    if added and not (libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1):
+    applied = added and libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES) == 1
+    if added and not applied:
         logging.getLogger(__name__).info("mallopt refused the CPU malloc settings; child processes still get %s",
                                          ", ".join(f"{k}={v}" for k, v in added.items()))
     return added
