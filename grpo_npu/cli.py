@@ -68,8 +68,9 @@ def retain_freed_host_memory(environ: MutableMapping[str, str] | None = None, li
     """Apply CPU_MALLOC_ENV to child processes (through ``environ``) and to this one (through ``mallopt``)."""
     libc = _glibc() if libc is None else libc
     added = cpu_malloc_defaults(os.environ if environ is None else environ, libc)
-    applied = added and libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES) == 1
-    if added and not applied:
+    if not added:
+        return added
+    if not (libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES) == 1):
         logging.getLogger(__name__).info("mallopt refused the CPU malloc settings; child processes still get %s",
                                          ", ".join(f"{k}={v}" for k, v in added.items()))
     return added
