@@ -485,7 +485,7 @@ def run(quick: bool = False, model: str = "tiny", device: str = "cpu", sides: tu
         "grpo_npu packs each prompt once with its n responses (model.share_prompt_prefix=True; tested equal to padded "
         "rows): its actor/reference passes process fewer tokens for the same loss and gradients"
         if share_prompt_prefix(work.device) else
-        "both trainers run padded rows (grpo_npu's model.share_prompt_prefix is off off CPU: without a varlen "
+        "both trainers run padded rows (grpo_npu's model.share_prompt_prefix is used on CPU only: without a varlen "
         "attention kernel it loops attention per prompt)",
         "process environment: grpo_npu runs with what its entry points set before torch starts ("
         + ", ".join(f"{k}={v}" for k, v in process_env(work.device).items())
