@@ -8,9 +8,7 @@ import os
 import sys
 from typing import Any, Callable, MutableMapping
 
-from grpo_npu.config import ConfigError
-
-EXIT_OK, EXIT_STOPPED, EXIT_BAD_INPUT = 0, 1, 2
+from grpo_npu.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_STOPPED, ConfigError, TrainingStopped
 
 # Process environment the entry points set before torch is imported; a variable already set is kept.
 PROCESS_ENV_DEFAULTS = {
@@ -104,8 +102,6 @@ def setup_logging() -> None:
 
 def exit_code(run: Callable[[], None]) -> int:
     """Run; bad configuration or input -> one line on stderr and 2; a run that stopped itself -> 1."""
-    from grpo_npu.trainer import TrainingStopped
-
     try:
         run()
     except ConfigError as exc:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from grpo_npu.errors import ConfigError
 from omegaconf.errors import OmegaConfBaseException
 
 # Accepted values, stated once and checked by :func:`validate`. A test keeps the estimator and
@@ -45,10 +47,6 @@ OPTIM_IMPLS = ("auto", "fused", "foreach", "for_loop")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 STRATEGIES = ("fsdp", "fsdp2")
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key, the value and what is accepted."""
 
 
 def choice(default: Any, choices: tuple) -> Any:

@@ -27,6 +27,7 @@ from grpo_npu.batch import RolloutBatch, pad_right
 from grpo_npu.checkpoint import CheckpointManager
 from grpo_npu.data.rl_dataset import PromptBatch, PromptLoader, RLDataset
 from grpo_npu.device import get_device
+from grpo_npu.errors import TrainingStopped
 from grpo_npu.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics
 from grpo_npu.reward.manager import get_reward_manager
 from grpo_npu.reward.score import make_compute_score
@@ -41,10 +42,6 @@ TRAINER_STATE = "trainer_state.pt"
 # Seeds of step s are base + s * SEED_STRIDE (+ rank inside the workers): a resumed run samples
 # exactly what the uninterrupted run sampled, with no RNG state to carry.
 SEED_STRIDE = 10_007
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped itself (too many consecutive bad steps); a checkpoint of the last good state exists."""
 
 
 class Timer:
