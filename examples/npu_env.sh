@@ -8,16 +8,28 @@
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 
-# CANN toolkit: its set_env.sh puts the Ascend libraries, ops and tools on the paths.
+# CANN: the toolkit's set_env.sh puts the Ascend libraries, ops and tools on the paths; NNAL's ATB
+# set_env.sh (the Ascend Transformer Boost library, which vllm-ascend's attention and sampling ops load)
+# does the same for ATB. Both are sourced when present, and the script says which were found.
 ASCEND_TOOLKIT_HOME="${ASCEND_TOOLKIT_HOME:-/usr/local/Ascend/ascend-toolkit}"
-if [[ -f "${ASCEND_TOOLKIT_HOME}/set_env.sh" ]]; then
-    set +u  # CANN's script reads variables that may be unset
-    # shellcheck disable=SC1091
-    source "${ASCEND_TOOLKIT_HOME}/set_env.sh"
-    set -u
-else
-    echo "npu_env: ${ASCEND_TOOLKIT_HOME}/set_env.sh not found; assuming CANN's environment is already set" >&2
-fi
+ASCEND_NNAL_HOME="${ASCEND_NNAL_HOME:-$(dirname "${ASCEND_TOOLKIT_HOME}")/nnal}"
+_found=()
+for _set_env in "${ASCEND_TOOLKIT_HOME}/set_env.sh" "${ASCEND_NNAL_HOME}/atb/set_env.sh"; do
+    if [[ -f "${_set_env}" ]]; then
+        set +u  # CANN's scripts read variables that may be unset
+        # shellcheck disable=SC1090
+        source "${_set_env}"
+        set -u
+        _found+=("${_set_env}")
+    else
+        echo "npu_env: ${_set_env} not found; assuming its environment is already set" >&2
+    fi
+done
+echo "npu_env: sourced ${#_found[@]} CANN environment script(s)${_found[*]:+: ${_found[*]}}" >&2
+unset _found _set_env
+
+# shellcheck source=python_env.sh
+source "${REPO_ROOT}/examples/python_env.sh"
 
 # HCCL: first collective of a large job can take minutes (rank discovery, weight loading elsewhere);
 # "auto" port ranges let several processes share one device (training ranks + the rollout engine).

@@ -10,6 +10,8 @@
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+# shellcheck source=python_env.sh
+source "${REPO_ROOT}/examples/python_env.sh"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 CACHE_DIR="${CACHE_DIR:-${GRPO_NPU_CACHE:-${HOME}/.cache/grpo_npu}}"

@@ -40,7 +40,7 @@ exec "${STUB_REAL_PYTHON}" "$@"
 SCRIPT_INPUTS = ("MODEL_PATH", "DATA_DIR", "CKPT_DIR", "RUN_DIR", "NNODES", "NPUS_PER_NODE", "ENFORCE_EAGER",
                  "ROLLOUT", "CACHE_DIR", "GRPO_NPU_CACHE", "HCCL_CONNECT_TIMEOUT", "HCCL_HOST_SOCKET_PORT_RANGE",
                  "HCCL_NPU_SOCKET_PORT_RANGE", "VLLM_ASCEND_ENABLE_NZ", "TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF",
-                 "PYTORCH_NPU_ALLOC_CONF", "LD_PRELOAD")
+                 "PYTORCH_NPU_ALLOC_CONF", "LD_PRELOAD", "ASCEND_NNAL_HOME")
 
 
 def capture(script: Path, tmp_path: Path, *extra: str, env: dict[str, str] | None = None):
@@ -133,7 +133,66 @@ def test_cann_set_env_is_sourced_when_present(tmp_path):
     (cann / "set_env.sh").write_text('export ASCEND_FAKE_SOURCED=yes\necho "${SOME_UNSET_VAR}" >/dev/null\n')
     _, env, stderr = capture(EXAMPLES / "ppo_trainer" / "run_qwen2_5_0_5b_ppo_npu.sh", tmp_path,
                              env={"ASCEND_TOOLKIT_HOME": str(cann)})
-    assert env["ASCEND_FAKE_SOURCED"] == "yes" and "not found" not in stderr
+    assert env["ASCEND_FAKE_SOURCED"] == "yes" and f"{cann}/set_env.sh not found" not in stderr
+
+
+def test_nnal_atb_set_env_is_sourced_too(tmp_path):
+    ascend = tmp_path / "Ascend"
+    (ascend / "ascend-toolkit").mkdir(parents=True)
+    (ascend / "nnal" / "atb").mkdir(parents=True)
+    (ascend / "ascend-toolkit" / "set_env.sh").write_text("export ASCEND_FAKE_TOOLKIT=yes\n")
+    (ascend / "nnal" / "atb" / "set_env.sh").write_text("export ASCEND_FAKE_ATB=yes\n")
+    _, env, stderr = capture(EXAMPLES / "grpo_trainer" / "run_qwen2_5_0_5b_grpo_npu.sh", tmp_path,
+                             env={"ASCEND_TOOLKIT_HOME": str(ascend / "ascend-toolkit")})
+    assert env["ASCEND_FAKE_TOOLKIT"] == "yes" and env["ASCEND_FAKE_ATB"] == "yes"
+    assert "sourced 2 CANN environment script(s)" in stderr and "not found" not in stderr
+    _, env, stderr = capture(EXAMPLES / "grpo_trainer" / "run_qwen2_5_0_5b_grpo_npu.sh", tmp_path)
+    assert "atb/set_env.sh not found" in stderr and "sourced 0" in stderr
+
+
+def _copy_examples_without_venv(tmp_path: Path) -> Path:
+    """A checkout-like copy of examples/ (REPO_ROOT = its parent) with no .venv beside it."""
+    import shutil
+
+    root = tmp_path / "checkout"
+    shutil.copytree(EXAMPLES, root / "examples")
+    return root
+
+
+def test_scripts_say_in_one_line_when_no_python_environment_is_found(tmp_path):
+    root = _copy_examples_without_venv(tmp_path)
+    no_torch = tmp_path / "no_torch_bin"
+    no_torch.mkdir()
+    (no_torch / "python3").write_text("#!/usr/bin/env bash\nexit 1\n")
+    (no_torch / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_INPUTS}
+    env |= {"PATH": f"{no_torch}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path / "home")}
+    proc = subprocess.run(["bash", str(root / "examples/grpo_trainer/run_tiny_grpo_cpu.sh")], env=env,
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "run 'bash scripts/setup_env.sh' first" in lines[0], proc.stderr
+
+
+def test_scripts_use_the_project_venv_when_python3_lacks_torch(tmp_path):
+    root = _copy_examples_without_venv(tmp_path)
+    venv_bin = root / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python3").write_text(f"#!/usr/bin/env bash\n"
+                                      f"if [[ \"${{1:-}}\" == -m && \"${{2:-}}\" == grpo_npu.main_ppo ]]; then\n"
+                                      f"  echo VENV_PYTHON_RAN; exit 0\nfi\nexec {sys.executable} \"$@\"\n")
+    (venv_bin / "python3").chmod(0o755)
+    no_torch = tmp_path / "no_torch_bin"
+    no_torch.mkdir()
+    (no_torch / "python3").write_text("#!/usr/bin/env bash\nexit 1\n")
+    (no_torch / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_INPUTS}
+    env |= {"PATH": f"{no_torch}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path / "home"),
+            "ASCEND_TOOLKIT_HOME": str(tmp_path / "no_cann")}
+    proc = subprocess.run(["bash", str(root / "examples/grpo_trainer/run_qwen2_5_0_5b_grpo_npu.sh")], env=env,
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "VENV_PYTHON_RAN" in proc.stdout and "using the project's environment" in proc.stderr
 
 
 def test_dapo_and_ppo_npu_scripts_turn_on_their_algorithms(tmp_path):
