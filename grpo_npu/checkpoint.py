@@ -22,6 +22,7 @@ directories.
 from __future__ import annotations
 
 import json
+import pickle
 import logging
 import os
 import re
@@ -29,7 +30,10 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
+
 from grpo_npu.config import RESUME_MODES
+from grpo_npu.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,20 @@ TRASH_PREFIX = ".old_global_step_"  # a replaced checkpoint, deleted right after
 
 _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 _SCRATCH_DIR = re.compile(rf"^(?:{re.escape(TMP_PREFIX)}|{re.escape(TRASH_PREFIX)})(\d+)_(\d+)$")
+
+
+def load_state_file(path: str | os.PathLike) -> dict:
+    """A checkpoint's torch-saved state (trainer state, per-rank extras) as plain data and tensors.
+
+    ``weights_only=True``: a file that holds anything else (a pickled object whose loading would run code
+    from the file) is refused in one line instead of executed.
+    """
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"checkpoint file {path} holds more than tensors and plain data; refused to load it "
+                        f"(it could run foreign code): {first}") from None
 
 
 def step_of(path: str | os.PathLike) -> int:

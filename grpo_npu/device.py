@@ -273,9 +273,11 @@ class Device:
             self.module.manual_seed_all(seed)
 
     def get_rng_state(self) -> dict[str, Any]:
+        # Only tensors, numbers, strings and tuples: checkpoints load with torch.load(weights_only=True).
+        name, keys, pos, has_gauss, cached = np.random.get_state()
         state: dict[str, Any] = {
             "python": random.getstate(),
-            "numpy": np.random.get_state(),
+            "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
             "torch": torch.get_rng_state(),
         }
         if self.module is not None:
@@ -284,7 +286,8 @@ class Device:
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
         random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
         torch.set_rng_state(state["torch"])
         if self.module is not None and self.kind in state:
             self.module.set_rng_state(state[self.kind])

@@ -24,7 +24,7 @@ from grpo_npu.algo.advantages import compute_advantage
 from grpo_npu.algo.dapo import filter_groups
 from grpo_npu.algo.kl import apply_kl_in_reward, make_kl_controller
 from grpo_npu.batch import RolloutBatch, pad_right
-from grpo_npu.checkpoint import CheckpointManager
+from grpo_npu.checkpoint import CheckpointManager, load_state_file
 from grpo_npu.data.rl_dataset import PromptBatch, PromptLoader, RLDataset
 from grpo_npu.device import get_device
 from grpo_npu.errors import TrainingStopped
@@ -371,7 +371,7 @@ class Trainer:
         if found is None:
             return
         step, path = found
-        state = torch.load(Path(path) / TRAINER_STATE, weights_only=False)
+        state = load_state_file(Path(path) / TRAINER_STATE)
         self.workers.load_checkpoint(str(path))
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])

@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 from grpo_npu import checkpoint as ckpt
-from grpo_npu.checkpoint import COMPLETE_MARKER, LATEST_FILE, CheckpointManager, is_complete, step_of
+import torch
+
+from grpo_npu.checkpoint import COMPLETE_MARKER, LATEST_FILE, CheckpointManager, is_complete, load_state_file, step_of
+from grpo_npu.errors import UserError
 
 
 def _save(mgr: CheckpointManager, step: int, payload: str = "weights") -> Path:
@@ -190,3 +193,39 @@ def test_kill_9_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
     mgr.commit(2, tmp)
     assert mgr.latest() == (2, root / "global_step_2")
     assert _visible(root) == ["global_step_2", LATEST_FILE]  # max_to_keep=1 pruned step 1
+
+
+class _Payload:
+    """Unpickling this runs code: it writes a marker file (what an attacker's payload would do)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "pwned"))
+
+
+@pytest.mark.parametrize("name", ["trainer_state.pt", "extra_rank0.pt"])
+def test_a_planted_pickle_payload_is_refused_not_run(tmp_path, name):
+    marker = tmp_path / "payload_ran"
+    planted = tmp_path / name
+    torch.save({"global_step": 3, "loader": _Payload(marker)}, planted)
+    with pytest.raises(UserError) as err:
+        load_state_file(planted)
+    assert not marker.exists(), "the payload ran"
+    assert "\n" not in str(err.value) and str(planted) in str(err.value) and "foreign code" in str(err.value)
+
+
+def test_device_rng_state_round_trips_through_a_weights_only_load(tmp_path):
+    import random
+
+    import numpy as np
+
+    from grpo_npu.device import get_device
+
+    dev = get_device("cpu")
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    torch.save({"rng": dev.get_rng_state()}, tmp_path / "s.pt")
+    want = (random.random(), np.random.rand(), torch.rand(1).item())
+    dev.set_rng_state(load_state_file(tmp_path / "s.pt")["rng"])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == want

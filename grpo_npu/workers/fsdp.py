@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from grpo_npu.checkpoint import load_state_file
 from grpo_npu.device import Device
 
 log = logging.getLogger(__name__)
@@ -349,7 +350,7 @@ def load_sharded(in_dir: str, root: nn.Module, optimizer: torch.optim.Optimizer 
     set_model_state_dict(root, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(root, optimizer, state["optimizer"])
-    return torch.load(extra_path, weights_only=False)
+    return load_state_file(extra_path)
 
 
 # ------------------------------------------------------------------------------------------------
