@@ -8,7 +8,8 @@ import os
 import sys
 from typing import Any, Callable, MutableMapping
 
-from grpo_npu.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_STOPPED, ConfigError, TrainingStopped
+from grpo_npu.errors import (EXIT_BAD_INPUT, EXIT_OK, EXIT_SIGNAL_BASE, EXIT_STOPPED, ConfigError, StoppedBySignal,
+                             TrainingStopped)
 
 # Process environment the entry points set before torch is imported; a variable already set is kept.
 PROCESS_ENV_DEFAULTS = {
@@ -101,7 +102,8 @@ def setup_logging() -> None:
 
 
 def exit_code(run: Callable[[], None]) -> int:
-    """Run; bad configuration or input -> one line on stderr and 2; a run that stopped itself -> 1."""
+    """Run; bad configuration or input -> one line on stderr and 2; a run that stopped itself -> 1; stopped by
+    signal N -> 128 + N (the checkpoint is saved first)."""
     try:
         run()
     except ConfigError as exc:
@@ -113,4 +115,7 @@ def exit_code(run: Callable[[], None]) -> int:
     except TrainingStopped as exc:
         print(f"stopped: {exc}", file=sys.stderr)
         return EXIT_STOPPED
+    except StoppedBySignal as exc:
+        print(f"stopped: {exc}", file=sys.stderr)
+        return EXIT_SIGNAL_BASE + exc.signum
     return EXIT_OK

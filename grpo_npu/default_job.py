@@ -65,7 +65,8 @@ def grpo_overrides(model: str, data: Path, run_dir: Path, rollout: str) -> list[
         # 4x less noise than one greedy answer per prompt
         "actor_rollout_ref.rollout.val_kwargs.do_sample=True", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
         "actor_rollout_ref.rollout.val_kwargs.n=4",
-        f"trainer.total_training_steps={GRPO_STEPS}", "trainer.test_freq=20", "trainer.save_freq=-1",
+        f"trainer.total_training_steps={GRPO_STEPS}", "trainer.test_freq=20",
+        f"trainer.save_freq={GRPO_STEPS}",  # one checkpoint, at the end (save_freq <= 0 saves none)
         "trainer.val_before_train=True", "trainer.logger=['console','jsonl']", "trainer.log_val_generations=2",
     ]
 

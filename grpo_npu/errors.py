@@ -10,6 +10,7 @@ from __future__ import annotations
 EXIT_OK = 0  # the run completed
 EXIT_STOPPED = 1  # the run stopped itself by policy (e.g. too many consecutive bad steps)
 EXIT_BAD_INPUT = 2  # bad configuration or input: one line names the key/file/row
+EXIT_SIGNAL_BASE = 128  # stopped by signal N (after saving a checkpoint): exit 128 + N, as shells report it
 
 
 class UserError(ValueError):
@@ -22,3 +23,11 @@ class ConfigError(UserError):
 
 class TrainingStopped(RuntimeError):
     """The run stopped itself (too many consecutive bad steps); a checkpoint of the last good state exists."""
+
+
+class StoppedBySignal(RuntimeError):
+    """SIGINT/SIGTERM stopped the run after a step (a checkpoint was saved if saving is on)."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum

@@ -27,7 +27,8 @@ from grpo_npu.batch import RolloutBatch, pad_right
 from grpo_npu.checkpoint import CheckpointManager, load_state_file
 from grpo_npu.data.rl_dataset import PromptBatch, PromptLoader, RLDataset
 from grpo_npu.device import get_device
-from grpo_npu.errors import TrainingStopped
+from grpo_npu.errors import StoppedBySignal, TrainingStopped
+from grpo_npu.rundir import RunDirLock
 from grpo_npu.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics
 from grpo_npu.reward.manager import get_reward_manager
 from grpo_npu.reward.score import make_compute_score
@@ -60,10 +61,11 @@ class Timer:
 
 
 class StopRequest:
-    """SIGINT/SIGTERM set a flag; the loop finishes the step, checkpoints and exits cleanly."""
+    """SIGINT/SIGTERM set a flag; the loop finishes the step, checkpoints and stops (exit 128 + signal)."""
 
     def __init__(self) -> None:
         self.requested: str | None = None
+        self.signum = 0
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "StopRequest":
@@ -77,7 +79,7 @@ class StopRequest:
     def _handle(self, signum, frame) -> None:
         if self.requested:  # a second Ctrl-C means now
             raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
+        self.requested, self.signum = signal.Signals(signum).name, int(signum)
         log.warning("%s received: finishing this step, saving a checkpoint, then stopping", self.requested)
 
     def __exit__(self, *exc) -> None:
@@ -124,33 +126,38 @@ class Trainer:
         self.world_size = t.nnodes * t.n_gpus_per_node
         self.derived = C.derive(cfg, self.world_size)
         self.run_dir = Path(t.default_local_dir)
-        self._log_doctor()
+        self.lock = RunDirLock(self.run_dir).acquire()  # before anything is written there; released by close()
+        try:
+            self._log_doctor()
 
-        self.tokenizer = load_tokenizer(cfg)
-        self.train_set = self._dataset(cfg.data.train_files)
-        self.loader = PromptLoader(self.train_set, self.derived.gen_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-        self.val_set = self._dataset(cfg.data.val_files) if cfg.data.val_files else None
-        self.total_steps = t.total_training_steps or len(self.loader) * t.total_epochs
+            self.tokenizer = load_tokenizer(cfg)
+            self.train_set = self._dataset(cfg.data.train_files)
+            self.loader = PromptLoader(self.train_set, self.derived.gen_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+            self.val_set = self._dataset(cfg.data.val_files) if cfg.data.val_files else None
+            self.total_steps = t.total_training_steps or len(self.loader) * t.total_epochs
 
-        compute_score = make_compute_score(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
-                                           dict(cfg.reward_model.reward_kwargs))
-        ob = cfg.reward_model.overlong_buffer
-        self.reward_fn = get_reward_manager(
-            cfg.reward_model.reward_manager, tokenizer=self.tokenizer, compute_score=compute_score,
-            num_workers=cfg.reward_model.num_workers, max_response_length=self.derived.response_length,
-            overlong_buffer_enable=ob.enable, overlong_buffer_len=ob.len, overlong_penalty_factor=ob.penalty_factor)
-        self.val_reward_fn = get_reward_manager("naive", tokenizer=self.tokenizer, compute_score=compute_score,
-                                                num_workers=cfg.reward_model.num_workers)
-        kc = cfg.algorithm.kl_ctrl
-        self.kl_ctrl = make_kl_controller(kc.type, kl_coef=kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon)
+            compute_score = make_compute_score(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
+                                               dict(cfg.reward_model.reward_kwargs))
+            ob = cfg.reward_model.overlong_buffer
+            self.reward_fn = get_reward_manager(
+                cfg.reward_model.reward_manager, tokenizer=self.tokenizer, compute_score=compute_score,
+                num_workers=cfg.reward_model.num_workers, max_response_length=self.derived.response_length,
+                overlong_buffer_enable=ob.enable, overlong_buffer_len=ob.len, overlong_penalty_factor=ob.penalty_factor)
+            self.val_reward_fn = get_reward_manager("naive", tokenizer=self.tokenizer, compute_score=compute_score,
+                                                    num_workers=cfg.reward_model.num_workers)
+            kc = cfg.algorithm.kl_ctrl
+            self.kl_ctrl = make_kl_controller(kc.type, kl_coef=kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon)
 
-        self.workers = workers if workers is not None else Workers.build(cfg, total_training_steps=self.total_steps)
-        self.ckpt = CheckpointManager(self.run_dir, max_to_keep=t.max_actor_ckpt_to_keep)
-        self.tracker = Tracker(self.run_dir, tuple(t.logger), project=t.project_name, experiment=t.experiment_name,
-                               config_dict=C.to_dict(cfg), total_steps=self.total_steps)
-        self.global_step = 0
-        self.bad_steps = 0
-        self._batches = iter(())
+            self.workers = workers if workers is not None else Workers.build(cfg, total_training_steps=self.total_steps)
+            self.ckpt = CheckpointManager(self.run_dir, max_to_keep=t.max_actor_ckpt_to_keep)
+            self.tracker = Tracker(self.run_dir, tuple(t.logger), project=t.project_name, experiment=t.experiment_name,
+                                   config_dict=C.to_dict(cfg), total_steps=self.total_steps)
+            self.global_step = 0
+            self.bad_steps = 0
+            self._batches = iter(())
+        except BaseException:
+            self.lock.release()
+            raise
 
     # ------------------------------------------------------------------------------------------
     # The loop
@@ -160,6 +167,12 @@ class Trainer:
         t = self.cfg.trainer
         self._resume()
         last: dict[str, float] = {}
+        if self.global_step >= self.total_steps and not t.val_only:
+            log.warning("the run in %s is already complete at step %d (trainer.total_training_steps=%d): nothing to "
+                        "train; raise trainer.total_training_steps to continue it, or use a new "
+                        "trainer.default_local_dir", self.run_dir, self.global_step, self.total_steps)
+            return last
+        log.info(self._save_plan())
         if t.val_before_train and self.val_set is not None:
             last = self.validate()
             self.tracker.log(last, step=self.global_step)
@@ -189,15 +202,25 @@ class Trainer:
                     with timer("testing"):
                         metrics.update(self.validate())
                     metrics["timing_s/testing"] = timer.seconds["testing"]
-                if (t.save_freq > 0 and step % t.save_freq == 0) or step == self.total_steps or stop.requested:
+                if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps or stop.requested):
                     metrics["timing_s/save_checkpoint"] = self.save_checkpoint()
                 self.tracker.log(metrics, step=step)
                 self._dump_rollout(batch, step)
                 last = metrics
                 if stop.requested:
-                    log.warning("stopped by %s after step %d; resume with trainer.resume_mode=auto", stop.requested, step)
-                    break
+                    saved = (f"checkpoint saved in {self.run_dir}; resume with trainer.resume_mode=auto"
+                             if t.save_freq > 0 else "no checkpoint (trainer.save_freq <= 0)")
+                    raise StoppedBySignal(stop.signum, f"stopped by {stop.requested} at step {step}, {saved}")
         return last
+
+    def _save_plan(self) -> str:
+        """One line: what will be saved, when and where (verl: nothing at all unless save_freq > 0)."""
+        t = self.cfg.trainer
+        if t.save_freq <= 0:
+            return f"checkpoints: none (trainer.save_freq={t.save_freq}); metrics go to {self.run_dir}"
+        keep = f", keeping the newest {t.max_actor_ckpt_to_keep}" if t.max_actor_ckpt_to_keep else ""
+        return (f"checkpoints: every {t.save_freq} steps and at step {self.total_steps} into "
+                f"{self.run_dir}{keep} (contents: {', '.join(self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)})")
 
     # ------------------------------------------------------------------------------------------
     # Phases
@@ -441,10 +464,11 @@ class Trainer:
         log.warning("step %d skipped: %s (%d in a row)", step, why, self.bad_steps)
         self.tracker.log({"train/bad_step": 1.0}, step=step)
         if self.bad_steps >= self.cfg.trainer.max_bad_steps:
-            self.save_checkpoint()
-            raise TrainingStopped(
-                f"{self.bad_steps} consecutive bad steps (last: {why}); saved the last good state as "
-                f"global_step_{self.global_step} in {self.run_dir}")
+            saved = "no checkpoint (trainer.save_freq <= 0)"
+            if self.cfg.trainer.save_freq > 0:
+                self.save_checkpoint()
+                saved = f"saved the last good state as global_step_{self.global_step} in {self.run_dir}"
+            raise TrainingStopped(f"{self.bad_steps} consecutive bad steps (last: {why}); {saved}")
 
     def _samples(self, batch: RolloutBatch, k: int) -> list[dict]:
         out = []
@@ -466,7 +490,8 @@ class Trainer:
         log_checks(run_checks(sleep_mode=rollout.name == "vllm" and rollout.enable_sleep_mode), log)
 
     def close(self) -> None:
-        for closer in (self.tracker.close, self.reward_fn.close, self.val_reward_fn.close, self.workers.close):
+        for closer in (self.tracker.close, self.reward_fn.close, self.val_reward_fn.close, self.workers.close,
+                       self.lock.release):
             try:
                 closer()
             except Exception as exc:  # keep closing the rest

@@ -1,0 +1,103 @@
+"""What an operator relies on (issue: trust): one run per directory, save_freq as verl means it, a finished run
+says so, and a signal stops the run with its own exit code after the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo_npu.config import load_config
+from grpo_npu.data.synthetic import write_synthetic
+from grpo_npu.errors import UserError
+from grpo_npu.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    out = tmp_path_factory.mktemp("task")
+    write_synthetic(str(out), train_size=32, test_size=4, difficulty=1, seed=0, write_sft=False)
+    return out
+
+
+def args(model: str, task: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={task / 'train.parquet'}",
+        "data.train_batch_size=2", "data.max_prompt_length=64", "data.max_response_length=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.name=hf", "trainer.device=cpu", "trainer.n_gpus_per_node=1",
+        "trainer.logger=['jsonl']", f"trainer.default_local_dir={run_dir}", "trainer.val_before_train=False",
+        "trainer.test_freq=-1", "trainer.total_training_steps=2", *extra,
+    ]
+
+
+def fit(argv: list[str]) -> dict:
+    trainer = Trainer(load_config(argv))
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+def test_save_freq_minus_one_saves_nothing_and_says_so(tiny_model_path, task, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    with caplog.at_level(logging.INFO):
+        fit(args(tiny_model_path, task, run_dir, "trainer.save_freq=-1"))
+    assert not list(run_dir.glob("*global_step_*")) and not (run_dir / "latest_checkpointed_iteration.txt").exists()
+    assert (run_dir / "metrics.jsonl").is_file()
+    assert "checkpoints: none (trainer.save_freq=-1)" in caplog.text
+
+
+def test_a_finished_run_rerun_trains_nothing_and_says_so(tiny_model_path, task, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    argv = args(tiny_model_path, task, run_dir, "trainer.save_freq=1")
+    fit(argv)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    with caplog.at_level(logging.INFO):
+        assert fit(argv) == {}
+    assert "already complete at step 2 (trainer.total_training_steps=2)" in caplog.text
+    assert (run_dir / "metrics.jsonl").read_text().splitlines() == lines  # nothing appended
+
+
+def test_a_second_trainer_on_the_same_directory_refuses(tiny_model_path, task, tmp_path):
+    run_dir = tmp_path / "run"
+    first = Trainer(load_config(args(tiny_model_path, task, run_dir)))
+    try:
+        with pytest.raises(UserError, match=rf"{run_dir} is in use by another run \(pid {os.getpid()} on host"):
+            Trainer(load_config(args(tiny_model_path, task, run_dir)))
+    finally:
+        first.close()
+    Trainer(load_config(args(tiny_model_path, task, run_dir))).close()  # released on close
+
+
+def test_sigterm_checkpoints_then_exits_143_naming_the_step(tiny_model_path, task, tmp_path):
+    run_dir = tmp_path / "run"
+    argv = args(tiny_model_path, task, run_dir, "trainer.total_training_steps=50", "trainer.save_freq=100")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_npu.main_ppo", *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 240
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    step = max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
+    assert last == (f"stopped: stopped by SIGTERM at step {step}, checkpoint saved in {run_dir}; "
+                    "resume with trainer.resume_mode=auto")
+    assert (run_dir / f"global_step_{step}").is_dir()  # saved although save_freq=100: a stop always saves
