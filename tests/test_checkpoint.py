@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import zlib
 import signal
 import subprocess
 import sys
@@ -229,3 +231,67 @@ def test_device_rng_state_round_trips_through_a_weights_only_load(tmp_path):
     want = (random.random(), np.random.rand(), torch.rand(1).item())
     dev.set_rng_state(load_state_file(tmp_path / "s.pt")["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
+
+
+def _committed(manager: CheckpointManager, step: int, payload: bytes = b"weights" * 100) -> Path:
+    tmp = manager.begin(step)
+    (tmp / "actor").mkdir()
+    (tmp / "actor" / "shard.bin").write_bytes(payload)
+    (tmp / "trainer_state.pt").write_bytes(b"state")
+    return manager.commit(step, tmp)
+
+
+def test_manifest_lists_every_file_with_size_and_crc(tmp_path):
+    path = _committed(CheckpointManager(tmp_path), 1)
+    marker = json.loads((path / COMPLETE_MARKER).read_text())
+    assert marker["files"] == {"actor/shard.bin": [700, zlib.crc32(b"weights" * 100)],
+                               "trainer_state.pt": [5, zlib.crc32(b"state")]}
+    assert ckpt.damage(path) is None
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip_in_place", "delete"])
+def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, caplog, how):
+    manager = CheckpointManager(tmp_path)
+    _committed(manager, 1), _committed(manager, 2)
+    shard = tmp_path / "global_step_2" / "actor" / "shard.bin"
+    if how == "truncate":
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif how == "flip_in_place":  # same size: only the checksum can tell
+        data = bytearray(shard.read_bytes())
+        data[10] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    else:
+        shard.unlink()
+    with caplog.at_level("WARNING"):
+        step, path = manager.resolve_resume("auto")
+    assert (step, path.name) == (1, "global_step_1")
+    warning = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(warning) == 1 and "global_step_2" in warning[0] and "global_step_1" in warning[0]
+    assert str(shard) in warning[0]
+
+
+def test_no_intact_checkpoint_is_one_line_naming_the_file(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    path = _committed(manager, 3)
+    (path / "trainer_state.pt").write_bytes(b"")
+    with pytest.raises(UserError) as err:
+        manager.resolve_resume("auto")
+    assert "\n" not in str(err.value) and str(path / "trainer_state.pt") in str(err.value)
+
+
+def test_resume_from_path_at_a_damaged_checkpoint_is_refused_without_fallback(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    _committed(manager, 1)
+    path = _committed(manager, 2)
+    (path / "trainer_state.pt").write_bytes(b"STATE")  # same size, other bytes
+    with pytest.raises(UserError, match=r"resume_from_path=.*global_step_2 is damaged: .*trainer_state.pt does not match"):
+        manager.resolve_resume("resume_path", str(path))
+
+
+def test_checkpoint_without_a_manifest_resumes_unverified(tmp_path, caplog):
+    manager = CheckpointManager(tmp_path)
+    path = _committed(manager, 1)
+    (path / COMPLETE_MARKER).write_text(json.dumps({"step": 1}) + "\n")  # as older versions wrote it
+    with caplog.at_level("WARNING"):
+        assert manager.resolve_resume("auto") == (1, path)
+    assert "no file manifest" in caplog.text

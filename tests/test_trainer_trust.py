@@ -101,3 +101,16 @@ def test_sigterm_checkpoints_then_exits_143_naming_the_step(tiny_model_path, tas
     assert last == (f"stopped: stopped by SIGTERM at step {step}, checkpoint saved in {run_dir}; "
                     "resume with trainer.resume_mode=auto")
     assert (run_dir / f"global_step_{step}").is_dir()  # saved although save_freq=100: a stop always saves
+
+
+def test_resume_skips_a_truncated_newest_checkpoint(tiny_model_path, task, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    fit(args(tiny_model_path, task, run_dir, "trainer.save_freq=1"))
+    shards = sorted((run_dir / "global_step_2").rglob("*.distcp"))
+    assert shards
+    shards[0].write_bytes(shards[0].read_bytes()[:-7])  # a half-written file the marker still vouches for
+    with caplog.at_level(logging.INFO):
+        fit(args(tiny_model_path, task, run_dir, "trainer.save_freq=1", "trainer.total_training_steps=3"))
+    assert "checkpoint global_step_2 is damaged" in caplog.text and "resuming from global_step_1" in caplog.text
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]  # step 2 retrained from step 1's state, its old line dropped
