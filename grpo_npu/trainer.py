@@ -380,6 +380,7 @@ class Trainer:
                 "loader": self.loader.state_dict(),
                 "kl_ctrl": self.kl_ctrl.state_dict(),
                 "rng": self.device.get_rng_state(),
+                "world_size": self.world_size,
             }, tmp / TRAINER_STATE)
         except BaseException:
             self.ckpt.abort(tmp)
@@ -401,6 +402,11 @@ class Trainer:
         self.device.set_rng_state(state["rng"])
         self.global_step = int(state["global_step"])
         self.tracker.truncate_after(self.global_step)
+        saved_world = int(state.get("world_size", self.world_size))
+        if saved_world != self.world_size:
+            log.warning("resumed on %d ranks from a checkpoint written by %d: model and optimizer resharded, data "
+                        "position kept, per-rank RNG streams re-derived from trainer.seed (the run is no longer "
+                        "bitwise-reproducible against an uninterrupted one)", self.world_size, saved_world)
         log.info("resumed from %s (step %d)", path, self.global_step)
 
     # ------------------------------------------------------------------------------------------

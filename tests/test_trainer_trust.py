@@ -114,3 +114,24 @@ def test_resume_skips_a_truncated_newest_checkpoint(tiny_model_path, task, tmp_p
     assert "checkpoint global_step_2 is damaged" in caplog.text and "resuming from global_step_1" in caplog.text
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]  # step 2 retrained from step 1's state, its old line dropped
+
+
+@pytest.mark.parametrize("saved,resumed", [(2, 1), (1, 2)])
+def test_resume_on_another_number_of_ranks(tiny_model_path, task, tmp_path, caplog, saved, resumed):
+    """The model reaches the new ranks intact: greedy validation right after resuming equals the validation the
+    writing run did at the checkpoint's step; training then continues from the saved data position."""
+    run_dir = tmp_path / "run"
+    common = ["trainer.save_freq=2", f"data.val_files={task / 'test.parquet'}", "ray_init.num_cpus=2",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+              "actor_rollout_ref.rollout.val_kwargs.do_sample=False"]
+    fit(args(tiny_model_path, task, run_dir, *common, f"trainer.n_gpus_per_node={saved}", "trainer.test_freq=2"))
+    with caplog.at_level(logging.WARNING):
+        fit(args(tiny_model_path, task, run_dir, *common, f"trainer.n_gpus_per_node={resumed}",
+                 "trainer.total_training_steps=3", "trainer.val_before_train=True"))
+    assert f"resumed on {resumed} ranks from a checkpoint written by {saved}" in caplog.text
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = [{k: v for k, v in r.items() if k.startswith("val-core/")} for r in rows if r["step"] == 2]
+    val = [v for v in val if v]
+    assert len(val) == 2 and val[0] == val[1], val  # at step 2: the writer's validation, then the resumed one's
+    assert sorted({r["step"] for r in rows}) == [1, 2, 3]

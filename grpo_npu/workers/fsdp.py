@@ -18,6 +18,7 @@ import copy
 import json
 import logging
 import os
+import re
 import socket
 from contextlib import closing, contextmanager
 from typing import Any, Iterator
@@ -329,7 +330,12 @@ def save_sharded(out_dir: str, root: nn.Module, optimizer: torch.optim.Optimizer
 
 
 def load_sharded(in_dir: str, root: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Inverse of :func:`save_sharded`; returns this rank's ``extra`` dict. Same world size required."""
+    """Inverse of :func:`save_sharded`; returns this rank's ``extra`` dict.
+
+    Any world size: DCP reshards the model and optimizer onto this run's ranks. When the checkpoint was written
+    by another number of ranks, every rank takes rank 0's extras (the schedule and shuffle state are the same on
+    every rank) with ``rng`` set to None: per-rank RNG streams cannot be mapped, the caller re-derives them.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -339,10 +345,12 @@ def load_sharded(in_dir: str, root: nn.Module, optimizer: torch.optim.Optimizer 
     )
 
     dcp_dir = os.path.join(in_dir, DCP_SUBDIR)
-    extra_path = os.path.join(in_dir, f"extra_rank{dist.get_rank()}.pt")
+    saved_ranks = len([n for n in os.listdir(in_dir) if re.fullmatch(r"extra_rank\d+\.pt", n)]) if os.path.isdir(in_dir) else 0
+    same_world = saved_ranks == dist.get_world_size()
+    extra_path = os.path.join(in_dir, f"extra_rank{dist.get_rank() if same_world else 0}.pt")
     for path in (dcp_dir, extra_path):
         if not os.path.exists(path):
-            raise FileNotFoundError(f"checkpoint {in_dir!r} has no {os.path.basename(path)} (saved with another world size?)")
+            raise FileNotFoundError(f"checkpoint {in_dir!r} has no {os.path.basename(path)}")
     state: dict[str, Any] = {"model": get_model_state_dict(root)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(root, optimizer)
@@ -350,7 +358,10 @@ def load_sharded(in_dir: str, root: nn.Module, optimizer: torch.optim.Optimizer 
     set_model_state_dict(root, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(root, optimizer, state["optimizer"])
-    return load_state_file(extra_path)
+    extra = load_state_file(extra_path)
+    if not same_world:
+        extra["rng"] = None
+    return extra
 
 
 # ------------------------------------------------------------------------------------------------

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 ACTOR_DIR = "actor"
 CRITIC_DIR = "critic"
+# Resumed on another number of ranks than the checkpoint was written by: rank r of step s reseeds with
+# trainer.seed + s * RESHARD_SEED_STRIDE + r (a prime stride: no two (step, rank) pairs share a stream).
+RESHARD_SEED_STRIDE = 10_007
 
 
 def eos_ids(tokenizer, model_path: str) -> list[int]:
@@ -220,7 +223,7 @@ class HybridWorker:
             self.export_hf(os.path.join(out_dir, ACTOR_DIR, "huggingface"))
 
     def load_checkpoint(self, in_dir: str) -> int:
-        """Restore what :meth:`save_checkpoint` wrote (same world size); returns the saved step."""
+        """Restore what :meth:`save_checkpoint` wrote, on any number of ranks; returns the saved step."""
         contents = set(self.cfg.actor_rollout_ref.actor.checkpoint.load_contents)
         actor = self._need("actor")
         with params_on(actor.module, self.dev, actor.param_offload):
@@ -228,7 +231,10 @@ class HybridWorker:
                                       actor.optimizer if "optimizer" in contents else None)
         if "extra" in contents:
             actor.load_extra(extra)
-            self.dev.set_rng_state(extra["rng"])
+            if extra["rng"] is not None:
+                self.dev.set_rng_state(extra["rng"])
+            else:  # written by another number of ranks: a fresh stream per (seed, step, rank)
+                self.dev.seed_everything(self.cfg.trainer.seed + RESHARD_SEED_STRIDE * int(extra["step"]) + dist.get_rank())
         if self.critic is not None:
             with params_on(self.critic.module, self.dev, self.critic.param_offload):
                 self.critic.load_extra(fsdp.load_sharded(os.path.join(in_dir, CRITIC_DIR), self.critic.module,
