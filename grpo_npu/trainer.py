@@ -43,6 +43,10 @@ TRAINER_STATE = "trainer_state.pt"
 # Seeds of step s are base + s * SEED_STRIDE (+ rank inside the workers): a resumed run samples
 # exactly what the uninterrupted run sampled, with no RNG state to carry.
 SEED_STRIDE = 10_007
+# A step whose rewards reach this size is a bad step (like a non-finite one): a reward of 1e30 in a group makes
+# its std huge and every advantage ~0, so the step would "succeed" while learning nothing. Real rule and model
+# rewards stay many orders of magnitude below it.
+MAX_ABS_REWARD = 1e6
 
 
 class Timer:
@@ -184,8 +188,8 @@ class Trainer:
                 timer = Timer()
                 with timer("step"):
                     batch, metrics = self.rollout_and_reward(step, timer)
-                    if not self._finite_rewards(batch):
-                        self._bad_step(step, "non-finite rewards")
+                    if not self._sane_rewards(batch):
+                        self._bad_step(step, f"non-finite rewards or rewards beyond +-{MAX_ABS_REWARD:g}")
                         continue
                     batch, model_metrics = self.score_with_models(batch, step, timer)
                     metrics.update(model_metrics)
@@ -426,7 +430,7 @@ class Trainer:
         d = self.cfg.data
         return RLDataset(list(files), self.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                          truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
-                         return_raw_chat=d.return_raw_chat)
+                         return_raw_chat=d.return_raw_chat, reward_fn_key=d.reward_fn_key)
 
     def _val_batch_size(self) -> int | None:
         size = self.cfg.data.val_batch_size
@@ -457,8 +461,10 @@ class Trainer:
         metrics["training/epoch"] = float(self.loader.epoch)
         return metrics
 
-    def _finite_rewards(self, batch: RolloutBatch) -> bool:
-        return bool(torch.isfinite(batch.token_level_scores).all())
+    def _sane_rewards(self, batch: RolloutBatch) -> bool:
+        """Finite and within +-MAX_ABS_REWARD: a larger reward swamps every group's advantage (all become 0)."""
+        scores = batch.token_level_scores
+        return bool(torch.isfinite(scores).all()) and float(scores.abs().max()) <= MAX_ABS_REWARD
 
     @staticmethod
     def _finite(metrics: dict[str, float]) -> bool:

@@ -135,3 +135,25 @@ def test_resume_on_another_number_of_ranks(tiny_model_path, task, tmp_path, capl
     val = [v for v in val if v]
     assert len(val) == 2 and val[0] == val[1], val  # at step 2: the writer's validation, then the resumed one's
     assert sorted({r["step"] for r in rows}) == [1, 2, 3]
+
+
+def test_absurdly_large_finite_rewards_are_bad_steps(tiny_model_path, task, tmp_path):
+    from grpo_npu.errors import TrainingStopped
+
+    reward = tmp_path / "huge.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1e30 if len(solution_str) % 2 else 0.0\n")
+    with pytest.raises(TrainingStopped, match=r"2 consecutive bad steps \(last: non-finite rewards or rewards beyond"):
+        fit(args(tiny_model_path, task, tmp_path / "run", f"custom_reward_function.path={reward}",
+                 "trainer.max_bad_steps=2", "trainer.save_freq=-1"))
+
+
+def test_data_reward_fn_key_is_honoured(tiny_model_path, task, tmp_path):
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(task / "train.parquet")
+    renamed = table.rename_columns(["src" if c == "data_source" else c for c in table.column_names])
+    pq.write_table(renamed, tmp_path / "train.parquet")
+    argv = args(tiny_model_path, task, tmp_path / "run", "data.reward_fn_key=src", "trainer.total_training_steps=1")
+    argv = [a for a in argv if not a.startswith("data.train_files=")] + [f"data.train_files={tmp_path / 'train.parquet'}"]
+    assert "critic/score/mean" in fit(argv)

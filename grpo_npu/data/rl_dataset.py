@@ -91,6 +91,17 @@ def _check_chat(prompt: Any, where: str, prompt_key: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in prompt]
 
 
+def _check_ground_truth(rows: list[dict], path: Path) -> None:
+    """Every row carries ``reward_model.ground_truth``: without it every reward is 0 and the run learns nothing."""
+    for k, row in enumerate(rows):
+        spec = row.get("reward_model")
+        if not isinstance(spec, dict) or spec.get("ground_truth") is None:
+            what = ("no 'reward_model' column" if "reward_model" not in row else
+                    f"reward_model={spec!r}, which lacks 'ground_truth'")
+            raise ValueError(f"{path} row {k}: {what}; each row needs reward_model.ground_truth (the answer the "
+                             "reward compares against), as data_preprocess/gsm8k.py writes it")
+
+
 def truncate(ids: list[int], max_len: int, mode: str) -> list[int]:
     """Cut ``ids`` to ``max_len`` tokens: left keeps the end, right the start, middle both halves."""
     if len(ids) <= max_len:
@@ -196,6 +207,7 @@ class RLDataset:
                 if column not in table.column_names:
                     raise ValueError(f"{path} has no {column!r} column ({key}); its columns are {table.column_names}")
             file_rows = table.to_pylist()
+            _check_ground_truth(file_rows, path)
             rows += file_rows
             origins += [f"{path} row {k}" for k in range(len(file_rows))]
         if not rows:

@@ -267,3 +267,26 @@ def test_state_from_another_setup_is_refused(small_ds):
 def test_loader_too_small_for_one_batch(small_ds):
     with pytest.raises(ValueError, match="10 prompts, fewer than one batch of 16"):
         PromptLoader(small_ds, 16, drop_last=True)
+
+
+@pytest.mark.parametrize("damage", ["drop_column", "no_ground_truth"])
+def test_data_without_ground_truth_is_refused_naming_file_and_row(tiny_tokenizer, parquet, damage):
+    rows = _rows(4)
+    if damage == "drop_column":
+        rows = [{k: v for k, v in r.items() if k != "reward_model"} for r in rows]
+    else:
+        rows[2]["reward_model"] = {"style": "rule", "ground_truth": None}
+    path = parquet(rows)
+    with pytest.raises(ValueError) as err:
+        RLDataset(path, tiny_tokenizer, max_prompt_length=256)
+    msg = str(err.value)
+    row = 0 if damage == "drop_column" else 2
+    assert "\n" not in msg and f"{path} row {row}" in msg and "reward_model.ground_truth" in msg
+
+
+def test_reward_fn_key_names_the_data_source_column(tiny_tokenizer, parquet):
+    rows = _rows(3)
+    for r in rows:
+        r["task"] = "my/source"
+    ds = RLDataset(parquet(rows), tiny_tokenizer, max_prompt_length=256, reward_fn_key="task")
+    assert [ds[i].data_source for i in range(3)] == ["my/source"] * 3
