@@ -28,6 +28,7 @@ from grpo_npu.checkpoint import CheckpointManager, load_state_file
 from grpo_npu.data.rl_dataset import PromptBatch, PromptLoader, RLDataset
 from grpo_npu.device import get_device
 from grpo_npu.errors import StoppedBySignal, TrainingStopped
+from grpo_npu.input_checks import check_inputs
 from grpo_npu.rundir import RunDirLock
 from grpo_npu.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics
 from grpo_npu.reward.manager import get_reward_manager
@@ -129,6 +130,8 @@ class Trainer:
         self.device = get_device(t.device)
         self.world_size = t.nnodes * t.n_gpus_per_node
         self.derived = C.derive(cfg, self.world_size)
+        if workers is None:  # a caller that brings its own workers has built them from its own inputs
+            check_inputs(cfg, use_critic=self.derived.use_critic)
         self.run_dir = Path(t.default_local_dir)
         self.lock = RunDirLock(self.run_dir).acquire()  # before anything is written there; released by close()
         try:

@@ -92,7 +92,7 @@ def test_npu_script_config_and_environment(script, tmp_path):
     argv, env, stderr = capture(script, tmp_path, env={"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"})
     cfg = load_config(argv)
     assert cfg.trainer.device == "npu"
-    assert cfg.actor_rollout_ref.model.path.startswith(("Qwen/Qwen2.5-", "Qwen/Qwen3-"))
+    assert cfg.actor_rollout_ref.model.path.startswith((str(tmp_path / "home/models/Qwen2.5-"), str(tmp_path / "home/models/Qwen3-")))
     home = tmp_path / "home"
     assert cfg.data.train_files == (str(home / "data/gsm8k/train.parquet"),)
     assert cfg.data.val_files == (str(home / "data/gsm8k/test.parquet"),)

@@ -13,7 +13,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../npu_env.sh"
 
-MODEL_PATH="${MODEL_PATH:-Qwen/Qwen2.5-7B-Instruct}"
+MODEL_PATH="${MODEL_PATH:-${HOME}/models/Qwen2.5-7B-Instruct}"  # huggingface-cli download Qwen/Qwen2.5-7B-Instruct --local-dir ~/models/Qwen2.5-7B-Instruct
 project_name=grpo_npu_dapo
 experiment_name=qwen2_5_7b_dapo_npu
 CKPT_DIR="${CKPT_DIR:-${HOME}/ckpts/${project_name}/${experiment_name}}"

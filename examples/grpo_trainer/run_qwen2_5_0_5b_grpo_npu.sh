@@ -4,13 +4,13 @@
 #   python3 data_preprocess/gsm8k.py --local_save_dir ~/data/gsm8k     # once
 #   bash examples/grpo_trainer/run_qwen2_5_0_5b_grpo_npu.sh [key=value ...]   # overrides win
 #
-# Environment: MODEL_PATH (hub id or local dir), DATA_DIR (train/test.parquet, default
+# Environment: MODEL_PATH (a local model directory), DATA_DIR (train/test.parquet, default
 # ~/data/gsm8k), NNODES, NPUS_PER_NODE (default 8), CKPT_DIR, ENFORCE_EAGER (False: graph mode);
 # Ascend variables as set in examples/npu_env.sh.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../npu_env.sh"
 
-MODEL_PATH="${MODEL_PATH:-Qwen/Qwen2.5-0.5B-Instruct}"
+MODEL_PATH="${MODEL_PATH:-${HOME}/models/Qwen2.5-0.5B-Instruct}"  # huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir ~/models/Qwen2.5-0.5B-Instruct
 project_name=grpo_npu_gsm8k
 experiment_name=qwen2_5_0_5b_grpo_npu
 CKPT_DIR="${CKPT_DIR:-${HOME}/ckpts/${project_name}/${experiment_name}}"

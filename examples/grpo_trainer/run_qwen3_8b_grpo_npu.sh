@@ -11,7 +11,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../npu_env.sh"
 
-MODEL_PATH="${MODEL_PATH:-Qwen/Qwen3-8B}"
+MODEL_PATH="${MODEL_PATH:-${HOME}/models/Qwen3-8B}"  # huggingface-cli download Qwen/Qwen3-8B --local-dir ~/models/Qwen3-8B
 project_name=grpo_npu_gsm8k
 experiment_name=qwen3_8b_grpo_npu
 CKPT_DIR="${CKPT_DIR:-${HOME}/ckpts/${project_name}/${experiment_name}}"

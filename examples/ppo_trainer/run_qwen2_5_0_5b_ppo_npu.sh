@@ -11,7 +11,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../npu_env.sh"
 
-MODEL_PATH="${MODEL_PATH:-Qwen/Qwen2.5-0.5B-Instruct}"
+MODEL_PATH="${MODEL_PATH:-${HOME}/models/Qwen2.5-0.5B-Instruct}"  # huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir ~/models/Qwen2.5-0.5B-Instruct
 project_name=grpo_npu_gsm8k
 experiment_name=qwen2_5_0_5b_ppo_npu
 CKPT_DIR="${CKPT_DIR:-${HOME}/ckpts/${project_name}/${experiment_name}}"
