@@ -4,14 +4,18 @@ The rollout engine's memory is meant to come and go with every step (wake before
 after). The field's most-reported sleep-mode failure is memory that does not come back: a few hundred
 MB more held after every sleep until the run dies with an out-of-memory error many steps later. The
 ledger records :meth:`grpo_npu.device.Device.memory_stats` at four points per step and compares what
-is still allocated after sleep with what was allocated ``window`` cycles earlier.
+is still held after sleep with what was held ``window`` cycles earlier.
 
 Metrics, per step (GiB; on CPU allocated and reserved are the process RSS, free is MemAvailable):
 
 - ``rollout/mem_{allocated,reserved,free}_gb_{before,after}_wake``: around waking weights + KV cache;
 - ``rollout/mem_{allocated,reserved,free}_gb_{before,after}_sleep``: around sleeping after generation;
-- ``rollout/mem_sleep_growth_gb``: allocated after this sleep minus allocated after the sleep
-  ``window`` cycles ago (0 until that many cycles have run).
+- ``rollout/mem_sleep_growth_gb``: how much more memory is held after this sleep than after the sleep
+  ``window`` cycles ago (0 until that many cycles have run): the larger of the growth of this process's
+  reserved memory (the caching allocator's pool, which is what an OOM runs out of: allocated bytes alone
+  miss memory the allocator keeps cached) and, on an accelerator, of the memory in use on the whole device
+  (total - free), which also sees the inference engine's own pool that torch's allocator does not manage.
+  On CPU the device-wide figure is the machine's, shared with every other process: it is left out there.
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ class MemoryLedger:
         self.leak_threshold_bytes = leak_threshold_bytes
         self.window = window
         self._cycle: dict[str, MemoryStats] = {}
-        self.after_sleep_allocated: list[int] = []  # one entry per completed cycle
+        # One (reserved, device bytes in use) pair per completed cycle, taken after sleep.
+        self.after_sleep: list[tuple[int, int]] = []
+        self.device_wide = bool(getattr(device, "is_accelerator", False))
         self.leak_warnings = 0
 
     def record(self, transition: str) -> None:
@@ -71,19 +77,23 @@ class MemoryLedger:
         self._cycle = {}
         if after is None:
             return metrics
-        history = self.after_sleep_allocated
-        history.append(after.allocated)
+        history = self.after_sleep
+        history.append((after.reserved, after.total - after.free))
         growth = 0
         if len(history) > self.window:
-            growth = history[-1] - history[-1 - self.window]
+            (reserved_then, used_then), (reserved_now, used_now) = history[-1 - self.window], history[-1]
+            measures = [("reserved by this process", reserved_then, reserved_now)]
+            if self.device_wide:
+                measures.append(("in use on the device (the engine's own pool included)", used_then, used_now))
+            what, then, now = max(measures, key=lambda m: m[2] - m[1])
+            growth = now - then
             if growth > self.leak_threshold_bytes:
                 self.leak_warnings += 1
                 log.warning(
-                    "rollout memory leak? allocated after sleep grew %.3f GiB over the last %d sleep/wake cycles "
+                    "rollout memory leak? memory %s after sleep grew %.3f GiB over the last %d sleep/wake cycles "
                     "(%.3f -> %.3f GiB; threshold %.3f GiB). Memory that survives sleep accumulates until OOM: "
                     "check that empty_cache runs after sleep and that no tensors from generation are kept alive.",
-                    growth / _GIB, self.window, history[-1 - self.window] / _GIB, history[-1] / _GIB,
-                    self.leak_threshold_bytes / _GIB,
+                    what, growth / _GIB, self.window, then / _GIB, now / _GIB, self.leak_threshold_bytes / _GIB,
                 )
         metrics["rollout/mem_sleep_growth_gb"] = growth / _GIB
         return metrics

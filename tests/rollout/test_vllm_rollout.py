@@ -150,4 +150,4 @@ def test_sleep_and_wake_are_no_ops_on_cpu(engine, cpu, tiny_hf, hf_rollout, prom
     engine.wake_up(["kv_cache"])
     again = engine.generate(*prompt_batch, sampling)
     assert torch.equal(again.response_ids, hf_rollout.generate(*prompt_batch, sampling).response_ids)
-    assert len(ledger.after_sleep_allocated) == 2
+    assert len(ledger.after_sleep) == 2
