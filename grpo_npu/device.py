@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from grpo_npu.errors import UserError
+
 log = logging.getLogger(__name__)
 
 KINDS = ("npu", "cuda", "cpu")
@@ -39,8 +41,8 @@ _ALLOC_CONF_ENV = {"npu": "PYTORCH_NPU_ALLOC_CONF", "cuda": "PYTORCH_CUDA_ALLOC_
 _GIB = 1024**3
 
 
-class DeviceError(RuntimeError):
-    """Asked for an accelerator that this machine or installation cannot provide."""
+class DeviceError(UserError):
+    """Asked for an accelerator that this machine or installation cannot provide (a user error: one line, exit 2)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,13 +90,13 @@ def resolve_kind(name: str = "auto") -> str:
         why = "torch_npu is not installed" if not torch_npu_installed() else "torch.npu.is_available() is False"
         raise DeviceError(
             f"trainer.device=npu but {why}; install torch_npu matching your torch and CANN "
-            "(see README 'Installing on Ascend'), or use trainer.device=auto|cuda|cpu"
+            "(docs/install_npu.md), check the machine with python -m grpo_npu.doctor, or use trainer.device=auto|cuda|cpu"
         )
     if name == "cuda" and not is_cuda_available():
         raise DeviceError(
             "trainer.device=cuda but torch.cuda.is_available() is False "
-            f"(torch {torch.__version__} built {'with' if torch.version.cuda else 'without'} CUDA); "
-            "use trainer.device=auto|cpu"
+            f"(torch {torch.__version__} built {'with' if torch.version.cuda else 'without'} CUDA); check the machine "
+            "with python -m grpo_npu.doctor, or use trainer.device=auto|cpu"
         )
     return name
 

@@ -134,3 +134,15 @@ def test_freed_host_memory_is_kept_only_when_retained(mode, kept):
                          check=True)
     released_mb = int(out.stdout.strip().splitlines()[-1])
     assert (released_mb < 16) is kept, f"{mode}: {released_mb} MB handed back on free"
+
+
+@pytest.mark.parametrize("kind", ["npu", "cuda"], ids=["ascend_absent", "gpu_absent"])  # not skipped as hardware tests
+def test_missing_device_is_one_line_naming_the_key_and_the_doctor(kind, tiny_model_path, tmp_path):
+    """A subprocess, so that nothing else printed before it hides a traceback."""
+    argv = BASE + [f"actor_rollout_ref.model.path={tiny_model_path}", f"trainer.device={kind}",
+                   f"trainer.default_local_dir={tmp_path / 'run'}"]
+    proc = subprocess.run([sys.executable, "-m", "grpo_npu.main_ppo", *argv], capture_output=True, text=True,
+                          timeout=300)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr[-3000:]
+    assert err[0].startswith(f"error: trainer.device={kind} but ") and "python -m grpo_npu.doctor" in err[0]
