@@ -7,6 +7,8 @@ loss -- the same code path as a real run, sized for two CPU cores.
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 
 from grpo_npu.cli import apply_device_defaults, apply_process_env_defaults, exit_code, setup_logging
@@ -24,11 +26,23 @@ def train(argv: list[str]) -> None:
     apply_device_defaults(cfg.trainer.device)  # CPU runs keep freed host memory (cli.CPU_MALLOC_ENV)
     from grpo_npu.trainer import Trainer
 
+    run_dir = os.path.abspath(os.path.expanduser(cfg.trainer.default_local_dir))
+    print(f"run directory: {run_dir} (metrics.jsonl, checkpoints, PNG curves)", file=sys.stderr)
     trainer = Trainer(cfg)
     try:
         trainer.fit()
     finally:
         trainer.close()
+    print(where_things_went(run_dir, argv), file=sys.stderr)
+
+
+def where_things_went(run_dir: str, argv: list[str]) -> str:
+    """The end-of-run lines: where the run is, how to continue it, how to compare it with another run."""
+    again = " ".join(shlex.quote(a) for a in argv if not a.startswith(("trainer.resume_mode=", "trainer.total_training_steps=")))
+    return (f"run directory: {run_dir}\n"
+            f"  continue it: python -m grpo_npu.main_ppo {again} trainer.resume_mode=auto "
+            "trainer.total_training_steps=<more>\n"
+            f"  compare it:  python -m grpo_npu.tools.compare_runs {shlex.quote(run_dir)} <other run directory>")
 
 
 def main(argv: list[str] | None = None) -> int:

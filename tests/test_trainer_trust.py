@@ -157,3 +157,24 @@ def test_data_reward_fn_key_is_honoured(tiny_model_path, task, tmp_path):
     argv = args(tiny_model_path, task, tmp_path / "run", "data.reward_fn_key=src", "trainer.total_training_steps=1")
     argv = [a for a in argv if not a.startswith("data.train_files=")] + [f"data.train_files={tmp_path / 'train.parquet'}"]
     assert "critic/score/mean" in fit(argv)
+
+
+def test_the_run_says_where_things_go_and_how_to_continue_or_compare(tiny_model_path, task, tmp_path):
+    run_dir = tmp_path / "run"
+    argv = args(tiny_model_path, task, run_dir, "trainer.total_training_steps=1", "trainer.save_freq=1")
+    proc = subprocess.run([sys.executable, "-m", "grpo_npu.main_ppo", *argv], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert f"run directory: {run_dir} (metrics.jsonl, checkpoints, PNG curves)" in lines
+    end = lines[lines.index(f"run directory: {run_dir}"):]
+    assert end[1].startswith("  continue it: python -m grpo_npu.main_ppo ") and end[1].endswith(
+        "trainer.resume_mode=auto trainer.total_training_steps=<more>")
+    assert end[2] == f"  compare it:  python -m grpo_npu.tools.compare_runs {run_dir} <other run directory>"
+    # the printed command continues the run
+    cont = end[1].split("python -m grpo_npu.main_ppo ", 1)[1].replace("<more>", "2")
+    proc = subprocess.run(f"{sys.executable} -m grpo_npu.main_ppo {cont}", shell=True, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
