@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from grpo_npu.config import RESUME_MODES
 from grpo_npu.errors import UserError
+from grpo_npu.names import RESUME_MODES
 
 logger = logging.getLogger(__name__)
 

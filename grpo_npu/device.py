@@ -27,11 +27,9 @@ import numpy as np
 import torch
 
 from grpo_npu.errors import UserError
+from grpo_npu.names import DEVICE_CHOICES
 
 log = logging.getLogger(__name__)
-
-KINDS = ("npu", "cuda", "cpu")
-DEVICE_CHOICES = ("auto",) + KINDS
 
 _BACKEND = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 _VISIBLE_DEVICES_ENV = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES", "cpu": ""}

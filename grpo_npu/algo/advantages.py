@@ -32,6 +32,7 @@ import torch
 
 from grpo_npu.algo.groups import group_index, group_stats
 from grpo_npu.algo.masked import acc_dtype, masked_values, masked_whiten
+from grpo_npu.algo.names import ADV_ESTIMATORS
 from grpo_npu.algo.registry import Registry
 
 # Added to the group std in GRPO so that a group whose rewards are all equal gets advantage 0.
@@ -50,7 +51,7 @@ class AdvantageEstimator:
     uses: tuple[str, ...]
 
 
-ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("algorithm.adv_estimator")
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("algorithm.adv_estimator", ADV_ESTIMATORS)
 
 
 def register_advantage(name: str, *, uses: tuple[str, ...] = ()):

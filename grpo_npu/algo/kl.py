@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from grpo_npu.algo.masked import acc_dtype, masked_mean
+from grpo_npu.algo.names import KL_CTRL_TYPES, KL_TYPES
 from grpo_npu.algo.registry import Registry
 
 # low_var_kl (k3): the log ratio is clamped before exp() so the estimate stays finite, and the estimate
@@ -24,7 +25,7 @@ K3_VALUE_CLAMP = 10.0
 ADAPTIVE_ERROR_CLIP = 0.2
 
 KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-KL_ESTIMATORS: Registry[KLEstimator] = Registry("algorithm.kl_penalty / actor.kl_loss_type")
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("algorithm.kl_penalty / actor.kl_loss_type", KL_TYPES)
 
 
 @KL_ESTIMATORS.register("kl", "k1")
@@ -120,7 +121,7 @@ def make_kl_controller(
         return FixedKLController(kl_coef)
     if kind == "adaptive":
         return AdaptiveKLController(kl_coef, target_kl, horizon)
-    raise ValueError(f"algorithm.kl_ctrl.type: unknown value {kind!r}; known: adaptive, fixed")
+    raise ValueError(f"algorithm.kl_ctrl.type: unknown value {kind!r}; known: {', '.join(sorted(KL_CTRL_TYPES))}")
 
 
 def apply_kl_in_reward(

@@ -20,13 +20,12 @@ from typing import Callable
 import torch
 
 from grpo_npu.algo.masked import acc_dtype, masked_mean, masked_values
+from grpo_npu.algo.names import AGG_MODES, POLICY_LOSS_MODES
 from grpo_npu.algo.registry import Registry
 
 # log(pi / pi_old) is clamped before exp(): exp(20) ~ 5e8 keeps the ratio and its gradient finite
 # in float32 and bfloat16 however far the policies have drifted apart.
 LOG_RATIO_CLAMP = 20.0
-
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 # entropy_from_logits works on row chunks of at most this many float32 elements (64 MiB), so its
 # float32 temporaries stay small next to the (B, T, V) logits however large the vocabulary is.
@@ -102,7 +101,7 @@ def agg_loss(
 # Policy losses (actor.policy_loss.loss_mode)
 # ------------------------------------------------------------------------------------------------
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-POLICY_LOSSES: Registry[PolicyLoss] = Registry("actor.policy_loss.loss_mode")
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("actor.policy_loss.loss_mode", POLICY_LOSS_MODES)
 
 
 def register_policy_loss(name: str):

@@ -3,9 +3,10 @@
 The dataset classes (torch) are imported on first use, so the preprocessing scripts stay light.
 """
 
+from grpo_npu.data.names import TRUNCATION_MODES
 from grpo_npu.data.schema import GSM8K_DATA_SOURCE, INSTRUCTION
 
-_DATASET_NAMES = ("TRUNCATION_MODES", "PromptBatch", "PromptItem", "PromptLoader", "RLDataset", "collate")
+_DATASET_NAMES = ("PromptBatch", "PromptItem", "PromptLoader", "RLDataset", "collate")
 
 
 def __getattr__(name: str):
@@ -16,4 +17,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'grpo_npu.data' has no attribute {name!r}")
 
 
-__all__ = ["GSM8K_DATA_SOURCE", "INSTRUCTION", *_DATASET_NAMES]
+__all__ = ["GSM8K_DATA_SOURCE", "INSTRUCTION", "TRUNCATION_MODES", *_DATASET_NAMES]

@@ -22,9 +22,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from grpo_npu.data.names import TRUNCATION_MODES
 
-TRUNCATION_MODES = ("error", "left", "right", "middle")
+logger = logging.getLogger(__name__)
 
 
 @dataclass

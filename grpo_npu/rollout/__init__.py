@@ -10,16 +10,29 @@ A worker drives a step with :func:`run_rollout_step` (the documented sleep/wake 
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import importlib
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-from torch import nn
+if TYPE_CHECKING:  # importing this package loads no torch: the config reads rollout.names before torch
+    from torch import nn
 
-from grpo_npu.config import RolloutConfig
-from grpo_npu.device import Device
-from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig
-from grpo_npu.rollout.memory import MemoryLedger
-from grpo_npu.rollout.metrics import logp_diff_metrics
-from grpo_npu.rollout.step import run_rollout_step, sleep_after_rollout, wake_for_rollout
+    from grpo_npu.config import RolloutConfig
+    from grpo_npu.device import Device
+    from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig
+    from grpo_npu.rollout.memory import MemoryLedger
+    from grpo_npu.rollout.metrics import logp_diff_metrics
+    from grpo_npu.rollout.step import run_rollout_step, sleep_after_rollout, wake_for_rollout
+
+# The package's names and the module each comes from (loaded on first use).
+_LAZY = {"GenerationOutput": "base", "Rollout": "base", "SamplingConfig": "base", "MemoryLedger": "memory",
+         "logp_diff_metrics": "metrics", "run_rollout_step": "step", "sleep_after_rollout": "step",
+         "wake_for_rollout": "step"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"grpo_npu.rollout.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'grpo_npu.rollout' has no attribute {name!r}")
 
 __all__ = [
     "GenerationOutput", "MemoryLedger", "Rollout", "SamplingConfig", "build_rollout", "logp_diff_metrics",
@@ -78,6 +91,8 @@ def build_rollout(
 
 def training_sampling(cfg: RolloutConfig, response_length: int, seed: Optional[int] = None) -> SamplingConfig:
     """Sampling for training rollouts: rollout.{n, temperature, top_p, top_k, do_sample, ignore_eos}."""
+    from grpo_npu.rollout.base import SamplingConfig  # torch: loaded on use, not by importing the package
+
     return SamplingConfig(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           do_sample=cfg.do_sample, max_new_tokens=response_length, ignore_eos=cfg.ignore_eos,
                           seed=seed, return_logprobs=cfg.calculate_log_probs)
@@ -85,6 +100,8 @@ def training_sampling(cfg: RolloutConfig, response_length: int, seed: Optional[i
 
 def validation_sampling(cfg: RolloutConfig, response_length: int, seed: Optional[int] = None) -> SamplingConfig:
     """Sampling for validation: rollout.val_kwargs (greedy by default, its own n)."""
+    from grpo_npu.rollout.base import SamplingConfig  # torch: loaded on use, not by importing the package
+
     vk = cfg.val_kwargs
     return SamplingConfig(n=vk.n, temperature=vk.temperature, top_p=vk.top_p, top_k=vk.top_k,
                           do_sample=vk.do_sample, max_new_tokens=response_length, seed=seed)

@@ -7,9 +7,19 @@
 - :mod:`~grpo_npu.workers.fsdp`: sharding, loading, weight streaming, checkpoints, offload;
 - :mod:`~grpo_npu.workers.micro_batch` and :mod:`~grpo_npu.workers.optim`.
 
-Importing this package imports neither Ray nor a model.
+Importing this package imports neither Ray nor a model, nor torch: the config reads the torch-free
+:mod:`~grpo_npu.workers.names` before torch loads; the worker groups load on first use.
 """
 
-from grpo_npu.workers.group import LocalGroup, RayGroup, WorkerError, WorkerGroup
+import importlib
 
-__all__ = ["LocalGroup", "RayGroup", "WorkerError", "WorkerGroup"]
+_GROUP_NAMES = ("LocalGroup", "RayGroup", "WorkerError", "WorkerGroup")
+
+
+def __getattr__(name: str):
+    if name in _GROUP_NAMES:
+        return getattr(importlib.import_module("grpo_npu.workers.group"), name)
+    raise AttributeError(f"module 'grpo_npu.workers' has no attribute {name!r}")
+
+
+__all__ = list(_GROUP_NAMES)

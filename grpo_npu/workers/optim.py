@@ -14,7 +14,7 @@ from typing import Iterable
 
 import torch
 
-from grpo_npu.config import OPTIM_IMPLS, WARMUP_STYLES
+from grpo_npu.workers.names import OPTIM_IMPLS, WARMUP_STYLES
 
 # Devices whose fused AdamW kernel torch itself ships (torch_npu's is not in npu_reference.md: NPU gets foreach).
 FUSED_DEVICES = ("cpu", "cuda")

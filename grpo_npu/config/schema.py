@@ -1,0 +1,288 @@
+"""The configuration schema: typed, documented once, verl-compatible key names.
+
+Every default lives in these dataclasses, exactly once, as a field followed by a one-line docstring
+(``--help`` reads those docstrings from the source). Key names and meanings follow verl's
+``main_ppo`` so existing command lines keep working. This module holds the root :class:`Config`
+and its smaller sections; the ``actor_rollout_ref`` section is :mod:`grpo_npu.config.actor_rollout_ref`.
+Accepted values of a ``choice`` field are declared by the code that acts on them, in its torch-free
+``names`` module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from grpo_npu.algo.names import ADV_ESTIMATORS, KL_CTRL_TYPES, KL_TYPES
+from grpo_npu.config.actor_rollout_ref import ActorRolloutRefConfig, FSDPConfig, OptimConfig
+from grpo_npu.config.fields import choice, free_dict, many
+from grpo_npu.data.names import TRUNCATION_MODES
+from grpo_npu.names import DEVICE_CHOICES, LOGGERS, RESUME_MODES
+from grpo_npu.reward.names import REWARD_MANAGER_NAMES
+from grpo_npu.workers.names import STRATEGIES
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    tokenizer: Optional[str] = None
+    """Tokenizer path if different from the actor model's."""
+    train_files: List[str] = many([])
+    """Parquet file(s) of training prompts (a single path or a list)."""
+    val_files: List[str] = many([])
+    """Parquet file(s) of validation prompts (a single path or a list)."""
+    prompt_key: str = "prompt"
+    """Column holding the chat-format prompt (a list of {role, content} messages)."""
+    response_key: str = "response"
+    """SFT (main_sft): column holding the target response text."""
+    reward_fn_key: str = "data_source"
+    """Column used to pick the reward function."""
+    max_prompt_length: int = 512
+    """Prompt tokens after the chat template; prompts are left-padded to this length."""
+    max_response_length: int = 512
+    """Maximum generated tokens per response."""
+    train_batch_size: int = 1024
+    """Prompts per training step (responses = train_batch_size x rollout.n)."""
+    val_batch_size: Optional[int] = None
+    """Prompts per validation generation batch (None: the whole validation set at once)."""
+    gen_batch_size: Optional[int] = None
+    """DAPO dynamic sampling: prompts generated per round (None: train_batch_size)."""
+    return_raw_input_ids: bool = False
+    """Kept for verl compatibility (a reward model with another tokenizer); unused without one."""
+    return_raw_chat: bool = False
+    """Keep the raw chat messages with each prompt (for chat-aware rollouts)."""
+    return_full_prompt: bool = False
+    """Keep the templated prompt text with each prompt."""
+    shuffle: bool = True
+    """Shuffle training prompts each epoch (seeded by data.seed)."""
+    seed: int = 1
+    """Seed of the training-prompt shuffle."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than max_prompt_length before training (and report how many)."""
+    filter_overlong_prompts_workers: int = 1
+    """Processes used to tokenize while filtering (verl compatibility; batched tokenizing is used)."""
+    truncation: str = choice("error", TRUNCATION_MODES)
+    """What to do with a prompt longer than max_prompt_length: error|left|right|middle."""
+    trust_remote_code: bool = False
+    """Allow tokenizers with custom code."""
+    dataloader_num_workers: int = 0
+    """Kept for verl compatibility; prompts are tokenized up front."""
+
+
+@dataclass(frozen=True)
+class CriticModelConfig:
+    path: Optional[str] = None
+    """Critic model directory (None: the actor's model path)."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer directory if different."""
+    override_config: Dict[str, Any] = free_dict()
+    """Overrides for the HF model config."""
+    enable_gradient_checkpointing: bool = True
+    """Recompute activations in the critic's backward."""
+    use_remove_padding: bool = False
+    """Pack sequences without padding."""
+    trust_remote_code: bool = False
+    """Allow models with custom code."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP2 settings of the critic."""
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    enable: Optional[bool] = None
+    """Build a critic (None: only when algorithm.adv_estimator=gae)."""
+    strategy: str = choice("fsdp2", STRATEGIES)
+    """Data-parallel strategy (FSDP2)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Critic optimizer."""
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    """The value model."""
+    ppo_mini_batch_size: Optional[int] = None
+    """Prompts per critic optimizer step (None: actor.ppo_mini_batch_size)."""
+    ppo_micro_batch_size: Optional[int] = None
+    """Deprecated global micro-batch size."""
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    """Responses per critic forward/backward on one device (None: actor's)."""
+    forward_micro_batch_size_per_gpu: Optional[int] = None
+    """Responses per value forward (None: ppo_micro_batch_size_per_gpu)."""
+    use_dynamic_bsz: Optional[bool] = None
+    """Pack by tokens (None: actor.use_dynamic_bsz)."""
+    ppo_max_token_len_per_gpu: int = 32768
+    """Token budget per packed micro-batch."""
+    forward_max_token_len_per_gpu: Optional[int] = None
+    """Token budget per packed value forward (None: ppo_max_token_len_per_gpu)."""
+    ppo_epochs: Optional[int] = None
+    """Passes per step (None: actor.ppo_epochs)."""
+    shuffle: bool = False
+    """Shuffle before mini-batching."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip."""
+    cliprange_value: float = 0.5
+    """Value clipping range."""
+    loss_agg_mode: Optional[str] = None
+    """Value-loss aggregation (None: actor.loss_agg_mode)."""
+    ulysses_sequence_parallel_size: int = 1
+    """Sequence parallelism (not implemented; must be 1)."""
+
+
+@dataclass(frozen=True)
+class OverlongBufferConfig:
+    enable: bool = False
+    """DAPO overlong shaping: penalise responses in the last `len` tokens before the limit."""
+    len: int = 0
+    """Length of the soft-penalty buffer (tokens)."""
+    penalty_factor: float = 1.0
+    """Penalty at the hard limit."""
+    log: bool = False
+    """Log overlong statistics."""
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    enable: bool = False
+    """Model-based reward (not implemented: rule rewards only; must stay False)."""
+    reward_manager: str = choice("naive", REWARD_MANAGER_NAMES)
+    """How scores become token rewards: naive | dapo (adds overlong shaping)."""
+    launch_reward_fn_async: bool = False
+    """Score in the background while old log-probs are computed."""
+    reward_kwargs: Dict[str, Any] = free_dict()
+    """Extra keyword arguments for the score function."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO overlong shaping."""
+    num_workers: int = 0
+    """Processes for scoring (0: automatic by batch size)."""
+
+
+@dataclass(frozen=True)
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None
+    """Python file holding a custom compute_score (None: built-in scorers)."""
+    name: str = "compute_score"
+    """Function name in that file."""
+
+
+@dataclass(frozen=True)
+class KLCtrlConfig:
+    type: str = choice("fixed", KL_CTRL_TYPES)
+    """KL-in-reward coefficient controller: fixed|adaptive."""
+    kl_coef: float = 0.001
+    """Initial / fixed KL coefficient."""
+    horizon: int = 10000
+    """Adaptive controller horizon."""
+    target_kl: float = 0.1
+    """Adaptive controller target KL."""
+
+
+@dataclass(frozen=True)
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO dynamic sampling: drop groups whose metric has zero std and regenerate."""
+    metric: Optional[str] = None
+    """Metric whose std decides: acc|score|seq_reward|seq_final_reward."""
+    max_num_gen_batches: int = 0
+    """Give up after this many generation rounds in one step (0: unlimited)."""
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    gamma: float = 1.0
+    """Discount factor (GAE, REINFORCE++)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    adv_estimator: str = choice("gae", ADV_ESTIMATORS)
+    """Advantage estimator: gae (PPO) | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group std (False: Dr.GRPO)."""
+    use_kl_in_reward: bool = False
+    """Subtract beta x KL from token rewards."""
+    kl_penalty: str = choice("kl", KL_TYPES)
+    """KL estimator of the in-reward penalty."""
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    """KL-in-reward coefficient controller."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO dynamic sampling."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    device: str = choice("auto", DEVICE_CHOICES)
+    """Device kind: auto (npu > cuda > cpu) | npu | cuda | cpu."""
+    balance_batch: bool = True
+    """Reorder responses so every rank gets a similar token count."""
+    total_epochs: int = 30
+    """Passes over the training prompts."""
+    total_training_steps: Optional[int] = None
+    """Stop after this many steps (None: total_epochs x steps per epoch)."""
+    project_name: str = "grpo_npu"
+    """Project name (logger and checkpoint directory)."""
+    experiment_name: str = "default"
+    """Experiment name (logger and checkpoint directory)."""
+    logger: List[str] = many(["console", "jsonl"], LOGGERS)
+    """Metric sinks: console, jsonl, tensorboard, wandb, mlflow."""
+    log_val_generations: int = 0
+    """Validation generations printed/logged per validation."""
+    rollout_data_dir: Optional[str] = None
+    """Dump every step's prompts/responses/scores as jsonl here."""
+    validation_data_dir: Optional[str] = None
+    """Dump validation generations as jsonl here."""
+    nnodes: int = 1
+    """Nodes in the Ray cluster."""
+    n_gpus_per_node: int = 8
+    """Devices (worker processes on CPU) per node."""
+    save_freq: int = -1
+    """Checkpoint every N steps (-1: no periodic checkpoints; a final one is always written)."""
+    resume_mode: str = choice("auto", RESUME_MODES)
+    """auto (latest checkpoint in default_local_dir) | disable | resume_path."""
+    resume_from_path: Optional[str] = None
+    """global_step_N directory to resume from with resume_mode=resume_path."""
+    val_before_train: bool = True
+    """Validate before the first step."""
+    val_only: bool = False
+    """Only validate, then exit."""
+    test_freq: int = -1
+    """Validate every N steps (-1: never periodically)."""
+    critic_warmup: int = 0
+    """Steps that update only the critic before the actor."""
+    default_hdfs_dir: Optional[str] = None
+    """Kept for verl compatibility (HDFS upload is not implemented; must be null)."""
+    del_local_ckpt_after_load: bool = False
+    """Delete the local checkpoint after loading it."""
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    """Run directory: checkpoints, metrics.jsonl, plots."""
+    max_actor_ckpt_to_keep: Optional[int] = None
+    """Keep at most this many checkpoints (None: all)."""
+    max_critic_ckpt_to_keep: Optional[int] = None
+    """Kept for verl compatibility (critic state lives in the same checkpoint)."""
+    seed: int = 42
+    """Seed of model init noise, sampling and every RNG."""
+    max_bad_steps: int = 3
+    """Stop (with a checkpoint of the last good state) after this many consecutive non-finite steps."""
+    ray_wait_register_center_timeout: int = 300
+    """Seconds to wait for Ray workers to start."""
+
+
+@dataclass(frozen=True)
+class RayInitConfig:
+    num_cpus: Optional[int] = None
+    """CPUs Ray may use on a local cluster (None: all)."""
+    timeline_json_file: Optional[str] = None
+    """Write a Ray timeline here at the end."""
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets and lengths."""
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    """Policy model, actor, rollout and reference."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model (PPO)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Reward computation."""
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    """A user-supplied score function."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator, KL and DAPO settings."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Loop, logging, checkpoints and devices."""
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+    """Ray start-up."""

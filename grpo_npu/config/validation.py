@@ -1,0 +1,117 @@
+"""Validation of a loaded config: accepted values, unsupported features, the batch-size arithmetic.
+
+Each message names the key, its value and what is accepted. The accepted values of a ``choice``
+field are the ones the owning code declares in its torch-free ``names`` module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from grpo_npu.algo.names import FILTER_METRICS
+from grpo_npu.config.derived import derive, require
+from grpo_npu.config.schema import Config
+from grpo_npu.errors import ConfigError
+
+
+def _check_choices(obj: Any, prefix: str = "") -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_choices(value, key + ".")
+            continue
+        choices = f.metadata.get("choices")
+        if not choices:
+            continue
+        values = value if isinstance(value, tuple) else (value,)
+        for v in values:
+            if v not in choices:
+                raise ConfigError(f"{key}={v!r} is not accepted; choose one of: {', '.join(map(str, choices))}")
+
+
+def _positive(key: str, value: Any) -> None:
+    require(value is None or value > 0, f"{key}={value!r} must be > 0")
+
+
+def validate(cfg: Config) -> None:
+    """Accepted values, unsupported features and the batch-size arithmetic, with explanations."""
+    _check_choices(cfg)
+    d, arr, alg, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
+    actor, rollout, model = arr.actor, arr.rollout, arr.model
+
+    for key, value in [
+        ("data.train_batch_size", d.train_batch_size),
+        ("data.max_prompt_length", d.max_prompt_length),
+        ("data.max_response_length", d.max_response_length),
+        ("data.gen_batch_size", d.gen_batch_size),
+        ("data.val_batch_size", d.val_batch_size),
+        ("actor_rollout_ref.rollout.n", rollout.n),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
+        ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu),
+        ("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs),
+        ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu),
+        ("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout.tensor_model_parallel_size),
+        ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", rollout.log_prob_micro_batch_size_per_gpu),
+        ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", arr.ref.log_prob_micro_batch_size_per_gpu),
+        ("trainer.n_gpus_per_node", tr.n_gpus_per_node),
+        ("trainer.nnodes", tr.nnodes),
+        ("trainer.total_epochs", tr.total_epochs),
+        ("trainer.total_training_steps", tr.total_training_steps),
+        ("trainer.max_bad_steps", tr.max_bad_steps),
+    ]:
+        _positive(key, value)
+    require(0.0 < rollout.gpu_memory_utilization <= 1.0,
+            f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]")
+    require(rollout.temperature >= 0, f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be >= 0")
+    require(0 < rollout.top_p <= 1, f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]")
+    require(rollout.sleep_level in (None, 1, 2),
+            f"actor_rollout_ref.rollout.sleep_level={rollout.sleep_level} must be 1, 2 or null")
+    require(actor.clip_ratio_c > 1.0,
+            f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1 (dual-clip bound on -A x ratio)")
+    for key, v in [("clip_ratio", actor.clip_ratio), ("clip_ratio_low", actor.clip_ratio_low),
+                   ("clip_ratio_high", actor.clip_ratio_high)]:
+        require(v is None or v >= 0, f"actor_rollout_ref.actor.{key}={v} must be >= 0")
+    require(actor.optim.lr >= 0, f"actor_rollout_ref.actor.optim.lr={actor.optim.lr} must be >= 0")
+    require(0.0 <= actor.optim.lr_warmup_steps_ratio <= 1.0,
+            f"actor_rollout_ref.actor.optim.lr_warmup_steps_ratio={actor.optim.lr_warmup_steps_ratio} must be in [0, 1]")
+
+    # Features whose keys verl has but this trainer does not implement: refuse loudly.
+    require(model.lora_rank == 0, "actor_rollout_ref.model.lora_rank > 0: LoRA is not implemented; use 0")
+    require(not model.use_liger, "actor_rollout_ref.model.use_liger=True: Liger kernels are not used; "
+            "use actor_rollout_ref.model.use_fused_kernels=True for grpo_npu.ops")
+    require(not model.enable_activation_offload,
+            "actor_rollout_ref.model.enable_activation_offload=True is not implemented; use False")
+    for key, sp in [("actor_rollout_ref.actor", actor.ulysses_sequence_parallel_size),
+                    ("actor_rollout_ref.ref", arr.ref.ulysses_sequence_parallel_size),
+                    ("critic", cfg.critic.ulysses_sequence_parallel_size)]:
+        require(sp == 1, f"{key}.ulysses_sequence_parallel_size={sp}: sequence parallelism is not implemented; use 1")
+    require(not cfg.reward_model.enable, "reward_model.enable=True: model-based rewards are not implemented; "
+            "use rule rewards (reward_model.reward_manager) or custom_reward_function.path")
+    require(tr.default_hdfs_dir is None, "trainer.default_hdfs_dir: HDFS upload is not implemented; leave it null")
+    require(arr.hybrid_engine, "actor_rollout_ref.hybrid_engine=False: only the colocated hybrid engine is implemented")
+    require(alg.kl_penalty not in ("full",), "algorithm.kl_penalty=full is not defined for token log-probs")
+
+    # DAPO
+    fg = alg.filter_groups
+    if fg.enable:
+        require(fg.metric in FILTER_METRICS,
+                f"algorithm.filter_groups.metric={fg.metric!r} must be one of {', '.join(FILTER_METRICS)} "
+                "when algorithm.filter_groups.enable=True")
+        require(fg.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches must be >= 0 (0: unlimited)")
+    ob = cfg.reward_model.overlong_buffer
+    if ob.enable:
+        require(cfg.reward_model.reward_manager == "dapo",
+                "reward_model.overlong_buffer.enable=True needs reward_model.reward_manager=dapo (naive adds no shaping)")
+        require(0 < ob.len <= d.max_response_length,
+                f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={d.max_response_length}]")
+
+    # Micro-batch settings: exactly one way to size micro-batches.
+    require(not (actor.ppo_micro_batch_size and actor.ppo_micro_batch_size_per_gpu),
+            "set only one of actor_rollout_ref.actor.ppo_micro_batch_size (deprecated) and "
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    require(actor.use_dynamic_bsz or actor.ppo_micro_batch_size or actor.ppo_micro_batch_size_per_gpu,
+            "set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz=True with "
+            "ppo_max_token_len_per_gpu)")
+    derive(cfg)  # the size arithmetic raises ConfigError with the explanation
