@@ -1,7 +1,7 @@
 """Peak dense matmul FLOP/s and memory bandwidth of the devices a run may use, and the CPU's, measured.
 
-Accelerators are looked up by the name ``torch.npu`` / ``torch.cuda`` ``get_device_name()`` returns
-(pass it in: this module never touches a device module). Sources of the table:
+Accelerators are looked up by the device module's ``get_device_name()`` string
+(:meth:`grpo_npu.device.Device.device_name`; passed in: this module never touches a device). Sources:
 
 NVIDIA -- the product datasheets. Their tensor-core rates are printed "with sparsity"; the dense rate
 used here is half. fp32 is the non-tensor FP32 rate: torch keeps fp32 matmuls off TF32 unless
