@@ -122,15 +122,17 @@ def lookup_device(name: str) -> DeviceSpec | None:
 # ------------------------------------------------------------------------------------------------
 CPU_MATMUL_SIZE = 2048  # n of the timed n x n @ n x n product: 17 GFLOP, a fraction of a second on 2 cores
 CPU_COPY_BYTES = 256 * 2**20  # far past any cache, so the copy runs at memory speed
-_REPEATS = 3  # best of a few runs: the peak, not the average under noise
 
 
-def _best_seconds(run: Callable[[], object]) -> float:
-    run()  # warm-up: allocation, thread pool, library dispatch
+def best_seconds(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> float:
+    """Best-of-``repeat`` wall seconds of ``fn()`` after ``warmup`` calls (allocation, thread pools,
+    library dispatch): the peak, not the average under noise."""
+    for _ in range(warmup):
+        fn()
     best = float("inf")
-    for _ in range(_REPEATS):
+    for _ in range(repeat):
         start = time.perf_counter()
-        run()
+        fn()
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -148,7 +150,7 @@ def measured_cpu_matmul_flops(dtype: str = "fp32") -> float:
     runs = [lambda: a @ b.t()]
     if torch_dtype == torch.float32:
         runs.append(lambda: mm_nt(a, b, onednn=True))
-    seconds = min(_best_seconds(run) for run in runs)
+    seconds = min(best_seconds(run) for run in runs)
     return 2 * CPU_MATMUL_SIZE**3 / seconds
 
 
@@ -157,7 +159,7 @@ def measured_cpu_bandwidth() -> float:
     """Bytes/s of a large in-memory copy (each byte read once and written once), once per process."""
     src = torch.ones(CPU_COPY_BYTES // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    return 2 * CPU_COPY_BYTES / _best_seconds(lambda: dst.copy_(src))
+    return 2 * CPU_COPY_BYTES / best_seconds(lambda: dst.copy_(src))
 
 
 def cpu_device_spec(dtypes: Iterable[str | torch.dtype] = ("fp32",)) -> DeviceSpec:
@@ -175,5 +177,5 @@ def device_spec(kind: str, name: str, dtypes: Iterable[str | torch.dtype] = ("fp
     return lookup_device(name)
 
 
-__all__ = ["DeviceSpec", "KNOWN_DEVICES", "cpu_device_spec", "device_spec", "lookup_device",
+__all__ = ["DeviceSpec", "KNOWN_DEVICES", "best_seconds", "cpu_device_spec", "device_spec", "lookup_device",
            "measured_cpu_bandwidth", "measured_cpu_matmul_flops"]
