@@ -11,10 +11,11 @@ import argparse
 import json
 import os
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from grpo_npu.perf.hardware import best_seconds as timeit  # noqa: F401  (the benchmarks' timer)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -61,18 +62,6 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
-
-
-def timeit(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> float:
-    """Best-of-``repeat`` wall seconds of ``fn()`` after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def bench_main(run: Callable[..., BenchResult], argv: list[str] | None = None) -> BenchResult:

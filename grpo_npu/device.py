@@ -201,6 +201,11 @@ class Device:
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.supports_bf16() else torch.float32
 
+    def device_name(self, index: int = 0) -> str:
+        """``get_device_name`` of the accelerator (e.g. 'Ascend910B3', 'NVIDIA H100 80GB HBM3'); 'cpu' on CPU."""
+        mod = self.module
+        return "cpu" if mod is None else str(mod.get_device_name(index))
+
     def device_count(self) -> int:
         mod = self.module
         return mod.device_count() if mod is not None else 1

@@ -94,6 +94,18 @@ def test_runtime_allocator_toggle_uses_the_device_module(monkeypatch):
     assert calls == ["expandable_segments:False", "expandable_segments:True"]
 
 
+def test_device_name_comes_from_the_device_module(monkeypatch):
+    class FakeModule:
+        @staticmethod
+        def get_device_name(index=0):
+            return f"Ascend910B{index + 3}"
+
+    assert D.Device("cpu").device_name() == "cpu"
+    monkeypatch.setattr(D.Device, "module", property(lambda self: FakeModule))
+    assert D.Device("npu").device_name() == "Ascend910B3"
+    assert D.Device("npu").device_name(1) == "Ascend910B4"
+
+
 def test_seeding_and_rng_state_round_trip():
     dev = D.Device("cpu")
     dev.seed_everything(123)

@@ -1,0 +1,181 @@
+"""Peak dense matmul FLOP/s and memory bandwidth of the devices a run may use, and the CPU's, measured.
+
+Accelerators are looked up by the device module's ``get_device_name()`` string
+(:meth:`grpo_npu.device.Device.device_name`; passed in: this module never touches a device). Sources:
+
+NVIDIA -- the product datasheets. Their tensor-core rates are printed "with sparsity"; the dense rate
+used here is half. fp32 is the non-tensor FP32 rate: torch keeps fp32 matmuls off TF32 unless
+``torch.backends.cuda.matmul.allow_tf32`` is set.
+    H100 SXM / PCIe / NVL -- "NVIDIA H100 Tensor Core GPU" datasheet: BF16/FP16 1,979 / 1,513 / 1,671
+        TFLOPS (sparse); FP32 67 / 51 / 60 TFLOPS; memory bandwidth 3.35 / 2.0 / 3.9 TB/s.
+    H200 SXM / NVL -- "NVIDIA H200 Tensor Core GPU" datasheet: BF16/FP16 1,979 / 1,671 TFLOPS (sparse);
+        FP32 67 / 60 TFLOPS; 4.8 TB/s both.
+    A100 SXM / PCIe -- "NVIDIA A100 Tensor Core GPU" datasheet: BF16/FP16 312 TFLOPS dense (624 sparse),
+        FP32 19.5 TFLOPS; bandwidth 80GB SXM 2,039 GB/s, 80GB PCIe 1,935 GB/s, 40GB (both) 1,555 GB/s.
+
+Ascend 910B -- Huawei publishes no per-variant chip datasheet. The compute peak is derived from CANN's
+own platform description (``<arch>-linux/data/platform_config/Ascend910B<k>.ini``, CANN 8.1.RC1):
+cube cores x a 16x16x16 multiply-add cube per cycle x 2 FLOPs x ``cube_freq``:
+    910B1 24 cores at 1850 MHz = 363.7 TFLOP/s    910B2 24 at 1800 = 353.9
+    910B3 20 cores at 1800 MHz = 294.9 TFLOP/s    910B4 20 at 1500 = 245.8
+for fp16 and bf16 alike. CANN lists no fp32 cube rate; a 32-bit cube fractal holds half as many values
+(16x8x16), so fp32 is taken as half the fp16 rate -- an upper bound. Memory bandwidth: 1.6 TB/s, the
+"up to 1.6 TB/s" HBM figure of Huawei's Atlas A2 product pages, for every variant (CANN gives none; for
+the 32 GB 910B4 it is an upper bound). Only these four exact names match: a variant such as
+``Ascend910B4-1`` or ``Ascend910B2C`` is unknown rather than guessed; pass a :class:`DeviceSpec`.
+
+CPU -- no table: :func:`measured_cpu_matmul_flops` times one large matmul and
+:func:`measured_cpu_bandwidth` one large copy, once per process. All ranks of a CPU run share one
+machine, so its peak is not multiplied by the world size (``ranks_share_device``).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+from grpo_npu.perf.flops import dtype_name
+
+_T = 1e12
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device's physical limits."""
+
+    name: str
+    peak_flops: Mapping[str, float] = field(hash=False)  # dense matmul FLOP/s per dtype ('fp32', 'bf16', 'fp16')
+    bandwidth: float  # memory bytes/s
+    source: str  # where the numbers come from
+    ranks_share_device: bool = False  # True: every rank runs on this one device (CPU), peaks do not add up
+
+    def peak(self, dtype: str | torch.dtype) -> float:
+        name = dtype_name(dtype)
+        if name not in self.peak_flops:
+            raise ValueError(f"{self.name}: no peak for dtype {name}; known: {', '.join(self.peak_flops)}")
+        return self.peak_flops[name]
+
+    def devices(self, world_size: int) -> int:
+        """How many of these devices ``world_size`` ranks run on."""
+        return 1 if self.ranks_share_device else world_size
+
+
+def _nvidia(name: str, fp32_t: float, sparse_tensor_t: float, tb_per_s: float, datasheet: str) -> DeviceSpec:
+    dense = sparse_tensor_t / 2 * _T
+    return DeviceSpec(name, {"fp32": fp32_t * _T, "bf16": dense, "fp16": dense}, tb_per_s * _T,
+                      f"NVIDIA {datasheet} Tensor Core GPU datasheet (dense = sparse / 2)")
+
+
+def _ascend(variant: str, cube_cores: int, cube_mhz: int) -> DeviceSpec:
+    half = cube_cores * 16 * 16 * 16 * 2 * cube_mhz * 1e6
+    return DeviceSpec(f"Ascend 910{variant}", {"fp32": half / 2, "bf16": half, "fp16": half}, 1.6 * _T,
+                      f"CANN 8.1.RC1 platform_config/Ascend910{variant}.ini (cube cores x 16^3 x 2 x cube_freq); "
+                      "1.6 TB/s: Huawei Atlas A2 product pages")
+
+
+H100_SXM = _nvidia("NVIDIA H100 SXM", 67, 1979, 3.35, "H100")
+H100_PCIE = _nvidia("NVIDIA H100 PCIe", 51, 1513, 2.0, "H100")
+H100_NVL = _nvidia("NVIDIA H100 NVL", 60, 1671, 3.9, "H100")
+H200_SXM = _nvidia("NVIDIA H200 SXM", 67, 1979, 4.8, "H200")
+H200_NVL = _nvidia("NVIDIA H200 NVL", 60, 1671, 4.8, "H200")
+A100_SXM_80GB = _nvidia("NVIDIA A100 SXM 80GB", 19.5, 624, 2.039, "A100")
+A100_SXM_40GB = _nvidia("NVIDIA A100 SXM 40GB", 19.5, 624, 1.555, "A100")
+A100_PCIE_80GB = _nvidia("NVIDIA A100 PCIe 80GB", 19.5, 624, 1.935, "A100")
+A100_PCIE_40GB = _nvidia("NVIDIA A100 PCIe 40GB", 19.5, 624, 1.555, "A100")
+ASCEND_910B = {"1": _ascend("B1", 24, 1850), "2": _ascend("B2", 24, 1800),
+               "3": _ascend("B3", 20, 1800), "4": _ascend("B4", 20, 1500)}
+KNOWN_DEVICES = (H100_SXM, H100_PCIE, H100_NVL, H200_SXM, H200_NVL, A100_SXM_80GB, A100_SXM_40GB,
+                 A100_PCIE_80GB, A100_PCIE_40GB, *ASCEND_910B.values())
+
+
+def lookup_device(name: str) -> DeviceSpec | None:
+    """The table entry for a ``get_device_name()`` string, or None when the device is not in the table.
+
+    Examples: 'NVIDIA H100 80GB HBM3' (SXM), 'NVIDIA H100 PCIe', 'NVIDIA H200', 'NVIDIA A100-SXM4-40GB',
+    'NVIDIA A100 80GB PCIe', 'Ascend910B3'.
+    """
+    key = re.sub(r"[\s_\-]", "", name).upper()
+    ascend = re.fullmatch(r"(?:HUAWEI)?ASCEND910B([1-4])", key)
+    if ascend:
+        return ASCEND_910B[ascend.group(1)]
+    if "GH200" in key or "GH100" in key:  # Grace Hopper: other memory, not in the table
+        return None
+    if "H200" in key:
+        return H200_NVL if "NVL" in key else H200_SXM
+    if "H100" in key:
+        return H100_PCIE if "PCIE" in key else H100_NVL if "NVL" in key else H100_SXM
+    if "A100" in key:
+        big = "80G" in key
+        if "PCIE" in key:
+            return A100_PCIE_80GB if big else A100_PCIE_40GB
+        return A100_SXM_80GB if big else A100_SXM_40GB
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU, measured
+# ------------------------------------------------------------------------------------------------
+CPU_MATMUL_SIZE = 2048  # n of the timed n x n @ n x n product: 17 GFLOP, a fraction of a second on 2 cores
+CPU_COPY_BYTES = 256 * 2**20  # far past any cache, so the copy runs at memory speed
+
+
+def best_seconds(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> float:
+    """Best-of-``repeat`` wall seconds of ``fn()`` after ``warmup`` calls (allocation, thread pools,
+    library dispatch): the peak, not the average under noise."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@functools.cache
+def measured_cpu_matmul_flops(dtype: str = "fp32") -> float:
+    """FLOP/s of the best matmul this process has (torch's, and oneDNN's for fp32), with its torch
+    threads; timed once per process and dtype."""
+    from grpo_npu.ops.linear import mm_nt  # oneDNN's fp32 product, the one the CPU training path uses
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name(dtype)]
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(CPU_MATMUL_SIZE, CPU_MATMUL_SIZE, generator=gen).to(torch_dtype)
+    b = torch.randn(CPU_MATMUL_SIZE, CPU_MATMUL_SIZE, generator=gen).to(torch_dtype)
+    runs = [lambda: a @ b.t()]
+    if torch_dtype == torch.float32:
+        runs.append(lambda: mm_nt(a, b, onednn=True))
+    seconds = min(best_seconds(run) for run in runs)
+    return 2 * CPU_MATMUL_SIZE**3 / seconds
+
+
+@functools.cache
+def measured_cpu_bandwidth() -> float:
+    """Bytes/s of a large in-memory copy (each byte read once and written once), once per process."""
+    src = torch.ones(CPU_COPY_BYTES // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * CPU_COPY_BYTES / best_seconds(lambda: dst.copy_(src))
+
+
+def cpu_device_spec(dtypes: Iterable[str | torch.dtype] = ("fp32",)) -> DeviceSpec:
+    """This machine's CPU, its matmul peak measured for each of ``dtypes``."""
+    names = sorted({dtype_name(d) for d in dtypes})
+    return DeviceSpec(f"CPU ({torch.get_num_threads()} threads)",
+                      {d: measured_cpu_matmul_flops(d) for d in names}, measured_cpu_bandwidth(),
+                      "measured: best of a 2048^3 matmul and a 256 MiB copy", ranks_share_device=True)
+
+
+def device_spec(kind: str, name: str, dtypes: Iterable[str | torch.dtype] = ("fp32",)) -> DeviceSpec | None:
+    """The spec the trainer uses: measured on ``kind == 'cpu'``, else the table entry for ``name``."""
+    if kind == "cpu":
+        return cpu_device_spec(dtypes)
+    return lookup_device(name)
+
+
+__all__ = ["DeviceSpec", "KNOWN_DEVICES", "best_seconds", "cpu_device_spec", "device_spec", "lookup_device",
+           "measured_cpu_bandwidth", "measured_cpu_matmul_flops"]

@@ -1,0 +1,291 @@
+"""How far each phase of a training step is from its physical limit, and which phase to blame.
+
+Floors (the least time the device could take for the phase's work; see :mod:`grpo_npu.perf.flops` for
+what is counted):
+    old_log_prob, ref, values    model FLOPs of a forward over every row / (peak x devices)
+    update_actor, update_critic  ppo_epochs x forward+backward, plus the checkpointed layers'
+                                 recompute when gradient checkpointing is on / (peak x devices)
+    gen                          prefill of each prompt once (the n rows of a group share it), then
+                                 one decode step per generated token for the rows still generating:
+                                 each step takes at least max(FLOPs / peak, bytes / bandwidth), where
+                                 the bytes are every weight read once (however many rows) plus the KV
+                                 cache of every key attended to ("roofline"). The bandwidth term alone
+                                 is reported too (``perf/limit_frac/gen_bandwidth``).
+    sync                         one in-memory copy of the engine's weights (read + write) / bandwidth
+Other phases (reward, adv, idle, ...) have no modelled floor; they are reported as shares of the step.
+
+Rows are the unit, as in verl: a row's forward covers its prompt and response, the head runs on its
+response tokens (the tokens scored). Each rank generates a contiguous share of the prompt groups
+(how the trainer dispatches them), so the gen floor is the slowest rank's. On a device the ranks
+share (CPU) the floors of the ranks add up instead.
+
+Metrics: ``perf/mfu/actor`` (update), ``perf/mfu/actor_infer`` (old + ref log-prob forwards) and
+``perf/mfu/critic`` under verl's names and meaning (model FLOPs, no recompute, over the peak of every
+device); ``perf/floor_s/<phase>``, ``perf/limit_frac/<phase>`` (floor / measured time, 1.0 = at the
+limit) and ``perf/share/<phase>`` (of the step's time) for each phase.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from grpo_npu.perf.flops import (
+    DTYPE_BYTES,
+    Flops,
+    ModelShape,
+    attention_pairs,
+    decode_step_bytes,
+    decode_step_flops,
+    dtype_name,
+    forward_flops,
+    train_flops,
+)
+from grpo_npu.perf.hardware import DeviceSpec
+
+STEP = "step"  # the whole step's seconds, every other timed phase inside it
+IDLE = "idle"  # step time no phase accounts for (computed when not given)
+# Phase sums may exceed the step by timer noise only; more means nested phases were passed.
+_OVERLAP_TOLERANCE_S = 1e-3
+
+
+@dataclass(frozen=True)
+class StepWorkload:
+    """What one step computed: its rows and how the models ran over them."""
+
+    actor: ModelShape
+    prompt_lengths: Sequence[int]  # (B*n,) prompt tokens per row, generation order: rows i*n..i*n+n-1 share prompt i
+    response_lengths: Sequence[int]  # (B*n,) response tokens per row
+    n: int  # responses per prompt
+    world_size: int  # ranks, each generating and training on its share of the rows
+    dtype: str  # compute dtype of the log-prob forwards and the updates ('fp32', 'bf16', 'fp16')
+    rollout_dtype: str | None = None  # the generation engine's dtype; None: ``dtype``
+    gradient_checkpointing: bool = False  # the actor recomputes its layers in backward
+    ppo_epochs: int = 1  # actor passes over the batch per step
+    critic: ModelShape | None = None  # None: no critic phases
+    critic_gradient_checkpointing: bool = False
+    critic_ppo_epochs: int | None = None  # None: ``ppo_epochs``
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_lengths", tuple(int(x) for x in self.prompt_lengths))
+        object.__setattr__(self, "response_lengths", tuple(int(x) for x in self.response_lengths))
+        rows = len(self.prompt_lengths)
+        if rows == 0 or len(self.response_lengths) != rows:
+            raise ValueError(f"StepWorkload: {rows} prompt lengths and {len(self.response_lengths)} response "
+                             "lengths; expected the same number (> 0), one per row")
+        for name, value in (("n", self.n), ("world_size", self.world_size), ("ppo_epochs", self.ppo_epochs),
+                            ("critic_ppo_epochs", self.critic_ppo_epochs or 1)):
+            if value < 1:
+                raise ValueError(f"StepWorkload.{name}={value} must be >= 1")
+        if rows % self.n:
+            raise ValueError(f"StepWorkload: {rows} rows is not a multiple of n={self.n} (rows come in groups of n)")
+        if min(self.prompt_lengths) < 1 or min(self.response_lengths) < 0:
+            raise ValueError("StepWorkload: prompt lengths must be >= 1 and response lengths >= 0, got "
+                             f"min {min(self.prompt_lengths)} and {min(self.response_lengths)}")
+        for i in range(0, rows, self.n):
+            if len(set(self.prompt_lengths[i:i + self.n])) > 1:
+                raise ValueError(f"StepWorkload: rows {i}..{i + self.n - 1} share a prompt but have prompt lengths "
+                                 f"{list(self.prompt_lengths[i:i + self.n])}; pass rows in generation order")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "rollout_dtype", dtype_name(self.rollout_dtype or self.dtype))
+
+    @property
+    def sequence_lengths(self) -> list[int]:
+        return [p + r for p, r in zip(self.prompt_lengths, self.response_lengths)]
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(self.response_lengths)
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """One phase of a step: the time it took and the least time its work allows."""
+
+    seconds: float
+    floor_s: float | None = None  # None: no physical floor modelled (host work, waiting)
+    bound: str = ""  # what sets the floor: 'compute', 'roofline' (gen), 'copy' (sync)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """Every phase of one step against its limit; :meth:`metrics` flattens it for the tracker."""
+
+    step_s: float
+    phases: Mapping[str, PhaseCost] = field(hash=False)
+    mfu: Mapping[str, float] = field(hash=False)  # perf/mfu/* -> value
+    gen_bandwidth_floor_s: float | None = None  # gen's floor from memory traffic alone
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = dict(self.mfu)
+        for phase, cost in self.phases.items():
+            out[f"perf/share/{phase}"] = cost.seconds / self.step_s
+            if cost.floor_s is not None:
+                out[f"perf/floor_s/{phase}"] = cost.floor_s
+                if cost.seconds > 0:
+                    out[f"perf/limit_frac/{phase}"] = cost.floor_s / cost.seconds
+        gen = self.phases.get("gen")
+        if self.gen_bandwidth_floor_s is not None and gen is not None and gen.seconds > 0:
+            out["perf/limit_frac/gen_bandwidth"] = self.gen_bandwidth_floor_s / gen.seconds
+        return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Floors
+# ------------------------------------------------------------------------------------------------
+def _rank_generation(shape: ModelShape, prompts: Sequence[int], responses: Sequence[int], n: int,
+                     peak: float, bandwidth: float, dtype: str) -> tuple[float, float]:
+    """(roofline, bandwidth-only) seconds for one engine generating these rows together."""
+    if not prompts:
+        return 0.0, 0.0
+    weight_bytes = shape.read_weights * DTYPE_BYTES[dtype]
+    kv_per_token = shape.kv_bytes_per_token(dtype)
+    # Prefill, each prompt once: the n rows of a group have the same prompt, so 1/n of the rows' sum.
+    prefill = Flops(linear=shape.linear_flops_per_token * sum(prompts) / n,
+                    attention=shape.attention_flops_per_pair * sum(attention_pairs(p) for p in prompts) / n,
+                    head=shape.head_flops_per_token * len(prompts) / n)  # one position per prompt is sampled
+    memory = (weight_bytes + kv_per_token * sum(prompts) / n) / bandwidth
+    roofline, bandwidth_only = max(prefill.total / peak, memory), memory
+    # Decode step s >= 1 feeds each row's response token s; it runs for rows with more than s tokens
+    # and attends to the row's prompt plus s response tokens.
+    order = sorted(range(len(responses)), key=responses.__getitem__)
+    active, active_prompt_tokens, done = len(responses), sum(prompts), 0
+    for s in range(1, max(responses, default=0)):
+        while responses[order[done]] <= s:
+            active, active_prompt_tokens, done = active - 1, active_prompt_tokens - prompts[order[done]], done + 1
+        keys = active_prompt_tokens + s * active
+        memory = decode_step_bytes(shape, keys=keys, dtype=dtype) / bandwidth
+        roofline += max(decode_step_flops(shape, rows=active, keys=keys).total / peak, memory)
+        bandwidth_only += memory
+    return roofline, bandwidth_only
+
+
+def generation_floor(workload: StepWorkload, spec: DeviceSpec) -> tuple[float, float]:
+    """(roofline, bandwidth-only) floor seconds of the gen phase: the slowest rank's (module docstring)."""
+    w = workload
+    groups = len(w.prompt_lengths) // w.n
+    per_rank, start = [], 0
+    for rank in range(w.world_size):  # contiguous prompt groups per rank, the first ranks one more
+        count = groups // w.world_size + (rank < groups % w.world_size)
+        rows = slice(start * w.n, (start + count) * w.n)
+        per_rank.append(_rank_generation(w.actor, w.prompt_lengths[rows], w.response_lengths[rows], w.n,
+                                         spec.peak(w.rollout_dtype), spec.bandwidth, w.rollout_dtype))
+        start += count
+    combine = sum if spec.ranks_share_device else max
+    return combine(r[0] for r in per_rank), combine(r[1] for r in per_rank)
+
+
+def _model_flops(workload: StepWorkload) -> dict[str, tuple[Flops, Flops]]:
+    """phase -> (model FLOPs, hardware FLOPs) of the forward/backward phases; they differ by recompute."""
+    w = workload
+    seqs, scored = w.sequence_lengths, w.response_tokens
+    actor_fwd = forward_flops(w.actor, seqs, head_tokens=scored)
+    out = {"old_log_prob": (actor_fwd, actor_fwd), "ref": (actor_fwd, actor_fwd)}
+    out["update_actor"] = (w.ppo_epochs * train_flops(w.actor, seqs, head_tokens=scored),
+                           w.ppo_epochs * train_flops(w.actor, seqs, head_tokens=scored,
+                                                      recompute=w.gradient_checkpointing))
+    if w.critic is not None:
+        critic_fwd = forward_flops(w.critic, seqs, head_tokens=scored)
+        epochs = w.critic_ppo_epochs or w.ppo_epochs
+        out["values"] = (critic_fwd, critic_fwd)
+        out["update_critic"] = (epochs * train_flops(w.critic, seqs, head_tokens=scored),
+                                epochs * train_flops(w.critic, seqs, head_tokens=scored,
+                                                     recompute=w.critic_gradient_checkpointing))
+    return out
+
+
+# verl metric -> the phases whose model FLOPs and seconds it pools
+_MFU_PHASES = {"perf/mfu/actor": ("update_actor",), "perf/mfu/actor_infer": ("old_log_prob", "ref"),
+               "perf/mfu/critic": ("update_critic",)}
+
+
+def step_report(seconds: Mapping[str, float], workload: StepWorkload, spec: DeviceSpec | None) -> StepReport:
+    """Each timed phase of one step against its floor.
+
+    ``seconds``: ``{"step": total, phase: seconds, ...}`` with disjoint phases inside the step (e.g.
+    ``gen`` without the weight sync, passed as ``sync``); ``idle`` is the remainder unless given.
+    ``spec`` None (a device not in the table): shares only, no floors or MFU.
+    """
+    if STEP not in seconds:
+        raise ValueError(f"step_report: seconds has no {STEP!r} entry (the whole step's time); got {sorted(seconds)}")
+    for name, value in seconds.items():
+        if not 0 <= float(value) < float("inf"):
+            raise ValueError(f"step_report: phase {name!r} took {value} s; expected a finite time >= 0")
+    step_s = float(seconds[STEP])
+    if step_s <= 0:
+        raise ValueError(f"step_report: step took {step_s} s; expected > 0")
+    times = {name: float(value) for name, value in seconds.items() if name != STEP}
+    accounted = sum(times.values())
+    if accounted > step_s + _OVERLAP_TOLERANCE_S:
+        raise ValueError(f"step_report: phases {sorted(times)} add up to {accounted:.4g} s, more than the step's "
+                         f"{step_s:.4g} s; pass disjoint phases (e.g. gen minus the weight sync)")
+    times.setdefault(IDLE, max(step_s - accounted, 0.0))
+    if spec is None:
+        return StepReport(step_s, {name: PhaseCost(t) for name, t in times.items()}, {})
+
+    w = workload
+    critic_phases = sorted({"values", "update_critic"} & set(times))
+    if critic_phases and w.critic is None:
+        raise ValueError(f"step_report: phases {critic_phases} were timed but StepWorkload.critic is None "
+                         "(pass the critic's ModelShape)")
+    peak_all = spec.peak(w.dtype) * spec.devices(w.world_size)
+    flops = _model_flops(w)
+    phases: dict[str, PhaseCost] = {}
+    gen_bandwidth = None
+    for name, t in times.items():
+        if name in flops:
+            phases[name] = PhaseCost(t, flops[name][1].total / peak_all, "compute")
+        elif name == "gen":
+            roofline, gen_bandwidth = generation_floor(w, spec)
+            phases[name] = PhaseCost(t, roofline, "roofline")
+        elif name == "sync":
+            copy_bytes = 2 * w.actor.params * DTYPE_BYTES[w.rollout_dtype]  # read + write, on every rank
+            copies = w.world_size if spec.ranks_share_device else 1
+            phases[name] = PhaseCost(t, copies * copy_bytes / spec.bandwidth, "copy")
+        else:
+            phases[name] = PhaseCost(t)
+    mfu = {}
+    for metric, names in _MFU_PHASES.items():
+        ran = [p for p in names if p in flops and times.get(p, 0.0) > 0]
+        if ran:
+            mfu[metric] = sum(flops[p][0].total for p in ran) / (sum(times[p] for p in ran) * peak_all)
+    return StepReport(step_s, phases, mfu, gen_bandwidth)
+
+
+# ------------------------------------------------------------------------------------------------
+# Verdict
+# ------------------------------------------------------------------------------------------------
+def verdict(reports: Sequence[StepReport]) -> str:
+    """One line for the end of a run: the phase furthest from its limit over all steps.
+
+    "Furthest" is measured in time: the seconds a phase spends above its floor (all of them when it
+    has none). A fraction alone would blame a phase of a few milliseconds that no speed-up could pay
+    for; the line still gives the phase's share of the step and its fraction of the limit.
+    """
+    if not reports:
+        return "perf: no steps to judge"
+    seconds: dict[str, float] = {}
+    floors: dict[str, float | None] = {}
+    bounds: dict[str, str] = {}
+    for report in reports:
+        for name, cost in report.phases.items():
+            seconds[name] = seconds.get(name, 0.0) + cost.seconds
+            known = floors.get(name, 0.0)
+            floors[name] = None if known is None or cost.floor_s is None else known + cost.floor_s
+            bounds[name] = cost.bound
+    steps, step_total = len(reports), sum(r.step_s for r in reports)
+    above = {name: seconds[name] - (floors[name] or 0.0) for name in seconds}
+    ranked = sorted(above, key=above.__getitem__, reverse=True)
+    worst = ranked[0]
+    line = (f"perf: slowest against its limit: {worst}, {seconds[worst] / step_total:.0%} of step time "
+            f"({seconds[worst] / steps:.3g} s/step)")
+    floor = floors[worst]
+    if floor is None:
+        line += ", no physical floor modelled (host-side work or waiting)"
+    elif seconds[worst] > 0:
+        line += (f" at {floor / seconds[worst]:.0%} of its {bounds[worst]} limit ({floor / steps:.3g} s/step), "
+                 f"{above[worst] / steps:.3g} s/step above it")
+    if len(ranked) > 1:
+        nxt = ranked[1]
+        line += f"; next: {nxt} ({above[nxt] / steps:.3g} s/step above its limit)"
+    return line
