@@ -27,8 +27,8 @@ def train(argv: list[str]) -> None:
     from grpo_npu.trainer import Trainer
 
     run_dir = os.path.abspath(os.path.expanduser(cfg.trainer.default_local_dir))
+    trainer = Trainer(cfg)  # checks the inputs, takes the run directory's lock, starts the workers
     print(f"run directory: {run_dir} (metrics.jsonl, checkpoints, PNG curves)", file=sys.stderr)
-    trainer = Trainer(cfg)
     try:
         trainer.fit()
     finally:
