@@ -179,7 +179,8 @@ def normalise_args(raw: list[str], root: Path, home: Path) -> list[str]:
             arg = f"{arg}={next(it, '')}"
         arg = arg.replace(str(root), "{VERL_ROOT}").replace(str(home), "~")
         prefix, key, value = split_key(arg)
-        swap = placeholder_for(key) if value is not None and not key.startswith("-") else None
+        unset = value is None or value.strip("'\"") in ("null", "None")  # no path to swap (an empty one is)
+        swap = None if unset or key.startswith("-") else placeholder_for(key)
         out.append(f"{prefix}{key}={swap}" if swap else arg)
     return [a for a in out if a != ""]
 
