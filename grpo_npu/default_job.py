@@ -61,6 +61,7 @@ def grpo_overrides(model: str, data: Path, run_dir: Path, rollout: str) -> list[
         "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
         "trainer.project_name=grpo_npu_default", "trainer.experiment_name=tiny_grpo",
         f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable",
+        "trainer.existing_run_dir=move_aside",  # starts clean every time; earlier runs go to previous_runs/
         # validation samples like training (4 per prompt): it measures the policy RL optimises, with
         # 4x less noise than one greedy answer per prompt
         "actor_rollout_ref.rollout.val_kwargs.do_sample=True", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",

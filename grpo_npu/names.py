@@ -13,3 +13,5 @@ DEVICE_CHOICES = ("auto",) + DEVICE_KINDS
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 # trainer.resume_mode: checkpoint.CheckpointManager.resolve_resume
 RESUME_MODES = ("auto", "disable", "resume_path")
+# trainer.existing_run_dir: what a run that does not resume does with another run's files (rundir.py)
+EXISTING_RUN_POLICIES = ("refuse", "move_aside")

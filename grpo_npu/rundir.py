@@ -26,12 +26,12 @@ import socket
 from pathlib import Path
 
 from grpo_npu.errors import UserError
+from grpo_npu.names import EXISTING_RUN_POLICIES
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".grpo_npu.lock"
 PREVIOUS_RUNS = "previous_runs"
-EXISTING_RUN_POLICIES = ("refuse", "move_aside")
 # What marks a directory as holding a run: its metrics, checkpoints, the commit point, curves, event files.
 _RUN_FILES = ("metrics.jsonl", "latest_checkpointed_iteration.txt", "tensorboard")
 _RUN_PREFIXES = ("global_step_", ".tmp_global_step_")
@@ -108,8 +108,9 @@ def previous_run_files(run_dir: str | os.PathLike) -> list[Path]:
     root = Path(run_dir)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir()
-                  if p.name in _RUN_FILES or p.name.startswith(_RUN_PREFIXES) or p.name.endswith(_RUN_SUFFIXES))
+    found = (p for p in root.iterdir()
+             if p.name in _RUN_FILES or p.name.startswith(_RUN_PREFIXES) or p.name.endswith(_RUN_SUFFIXES))
+    return sorted(p for p in found if not (p.is_file() and p.stat().st_size == 0))  # an empty file logged nothing
 
 
 def prepare_fresh_start(run_dir: str | os.PathLike, policy: str) -> Path | None:

@@ -29,7 +29,7 @@ from grpo_npu.data.rl_dataset import PromptBatch, PromptLoader, RLDataset
 from grpo_npu.device import get_device
 from grpo_npu.errors import StoppedBySignal, TrainingStopped
 from grpo_npu.input_checks import check_inputs
-from grpo_npu.rundir import RunDirLock
+from grpo_npu.rundir import RunDirLock, prepare_fresh_start
 from grpo_npu.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics
 from grpo_npu.reward.manager import get_reward_manager
 from grpo_npu.reward.score import make_compute_score
@@ -155,8 +155,11 @@ class Trainer:
             kc = cfg.algorithm.kl_ctrl
             self.kl_ctrl = make_kl_controller(kc.type, kl_coef=kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon)
 
-            self.workers = workers if workers is not None else Workers.build(cfg, total_training_steps=self.total_steps)
             self.ckpt = CheckpointManager(self.run_dir, max_to_keep=t.max_actor_ckpt_to_keep)
+            self.resume_from = self.ckpt.resolve_resume(t.resume_mode, t.resume_from_path)
+            if self.resume_from is None:  # a fresh start: another run's files must not mix with this one's
+                prepare_fresh_start(self.run_dir, t.existing_run_dir)
+            self.workers = workers if workers is not None else Workers.build(cfg, total_training_steps=self.total_steps)
             self.tracker = Tracker(self.run_dir, tuple(t.logger), project=t.project_name, experiment=t.experiment_name,
                                    config_dict=C.to_dict(cfg), total_steps=self.total_steps)
             self.global_step = 0
@@ -397,11 +400,9 @@ class Trainer:
         return time.perf_counter() - start
 
     def _resume(self) -> None:
-        t = self.cfg.trainer
-        found = self.ckpt.resolve_resume(t.resume_mode, t.resume_from_path)
-        if found is None:
+        if self.resume_from is None:
             return
-        step, path = found
+        step, path = self.resume_from
         state = load_state_file(Path(path) / TRAINER_STATE)
         self.workers.load_checkpoint(str(path))
         self.loader.load_state_dict(state["loader"])

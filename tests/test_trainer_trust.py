@@ -178,3 +178,18 @@ def test_the_run_says_where_things_go_and_how_to_continue_or_compare(tiny_model_
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
+
+
+def test_a_fresh_start_into_a_used_directory_refuses_or_moves_the_old_run_aside(tiny_model_path, task, tmp_path):
+    run_dir = tmp_path / "run"
+    fit(args(tiny_model_path, task, run_dir, "trainer.save_freq=1", "trainer.total_training_steps=1"))
+    fresh = args(tiny_model_path, task, run_dir, "trainer.save_freq=1", "trainer.total_training_steps=2",
+                 "trainer.resume_mode=disable")
+    with pytest.raises(UserError, match=r"already holds another run .*global_step_1.*existing_run_dir=move_aside"):
+        Trainer(load_config(fresh))
+    fit(fresh + ["trainer.existing_run_dir=move_aside"])
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # the new run alone
+    (old,) = (run_dir / "previous_runs").iterdir()
+    assert (old / "global_step_1").is_dir() and len((old / "metrics.jsonl").read_text().splitlines()) == 1
+    assert sorted(p.name for p in run_dir.glob("global_step_*")) == ["global_step_1", "global_step_2"]

@@ -17,7 +17,7 @@ from grpo_npu.algo.names import ADV_ESTIMATORS, KL_CTRL_TYPES, KL_TYPES
 from grpo_npu.config.actor_rollout_ref import ActorRolloutRefConfig, FSDPConfig, OptimConfig
 from grpo_npu.config.fields import choice, free_dict, many
 from grpo_npu.data.names import TRUNCATION_MODES
-from grpo_npu.names import DEVICE_CHOICES, LOGGERS, RESUME_MODES
+from grpo_npu.names import DEVICE_CHOICES, EXISTING_RUN_POLICIES, LOGGERS, RESUME_MODES
 from grpo_npu.reward.names import REWARD_MANAGER_NAMES
 from grpo_npu.workers.names import STRATEGIES
 
@@ -229,11 +229,13 @@ class TrainerConfig:
     n_gpus_per_node: int = 8
     """Devices (worker processes on CPU) per node."""
     save_freq: int = -1
-    """Checkpoint every N steps (-1: no periodic checkpoints; a final one is always written)."""
+    """Checkpoint every N steps and at the last step; <= 0: no checkpoint at all (as in verl)."""
     resume_mode: str = choice("auto", RESUME_MODES)
     """auto (latest checkpoint in default_local_dir) | disable | resume_path."""
     resume_from_path: Optional[str] = None
     """global_step_N directory to resume from with resume_mode=resume_path."""
+    existing_run_dir: str = choice("refuse", EXISTING_RUN_POLICIES)
+    """A run that does not resume, into a default_local_dir holding another run: refuse | move_aside (to previous_runs/)."""
     val_before_train: bool = True
     """Validate before the first step."""
     val_only: bool = False
@@ -255,7 +257,7 @@ class TrainerConfig:
     seed: int = 42
     """Seed of model init noise, sampling and every RNG."""
     max_bad_steps: int = 3
-    """Stop (with a checkpoint of the last good state) after this many consecutive non-finite steps."""
+    """Stop (with a checkpoint of the last good state if save_freq > 0) after this many consecutive bad steps."""
     ray_wait_register_center_timeout: int = 300
     """Seconds to wait for Ray workers to start."""
 
