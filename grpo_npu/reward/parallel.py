@@ -115,7 +115,7 @@ class _Tally:
     def _stop(self) -> RewardFunctionError:
         if self.succeeded == 0:
             scope = (f"every row ({self.total})" if self.failed == self.total
-                     else f"all {self.failed} rows scored so far (of {self.total})")
+                     else f"every row scored ({self.failed} of {self.total} before the run stopped)")
             return RewardFunctionBroken(f"{self.who} failed on {scope}; first: {self.first}")
         return TooManyRewardFailures(
             f"{self.failed} of {self.total} reward calls failed ({self.timeouts} timed out, {self.errors} errors), "

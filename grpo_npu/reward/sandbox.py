@@ -99,13 +99,19 @@ def worker_main(sock_fd: int, slot_fd: int) -> None:
         except (EOFError, OSError):
             raise
         except BaseException as err:  # noqa: BLE001 - whatever the user's file does at import is reported
-            conn.send(("load_error", first_line(err)))
+            conn.send(("load_error", _load_error(err)))
             return
         conn.send(("ready", []))
         while _score_chunk(fn, conn.recv(), conn, slot):
             pass
     except (EOFError, OSError):  # the trainer closed the socket (or ended): so does the worker
         return
+
+
+def _load_error(err: BaseException) -> str:
+    """One line; load_function's own errors already name the key and file."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text.startswith("custom_reward_function.") else first_line(err)
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -303,7 +309,8 @@ class Sandbox:
             w.since = time.monotonic()
             if kind == "load_error":
                 self._retire(w, queue, blame=None, why="could not load")
-                raise RewardFunctionBroken(f"{self.who} cannot be loaded in a reward worker process: {payload}")
+                raise RewardFunctionBroken(f"{payload} (in a reward worker process)" if payload.startswith(
+                    "custom_reward_function.") else f"{self.who} cannot be loaded in a reward worker process: {payload}")
             if kind == "eof":
                 self._retire(w, queue, blame="error", why=f"died ({w.end(grace=EXIT_GRACE_S)})")
                 return
