@@ -72,7 +72,6 @@ class Scored:
     infos: list[dict]  # B per-row dicts in row order (a failed row: fallback score, acc 0, pred None)
     timeouts: int = 0  # rows whose call ran past timeout_s
     errors: int = 0  # rows whose call raised, killed its worker, used too much memory or returned a non-number
-    used_sandbox: bool = False
 
 
 @dataclass
@@ -177,7 +176,7 @@ class Scorer:
                 self._sandbox = Sandbox(self._blob, self.workers(), self.settings, self.who)
             self._sandbox.run(remote, on_result)
         tally.summarize()
-        return Scored(infos, timeouts=tally.timeouts, errors=tally.errors, used_sandbox=bool(remote))
+        return Scored(infos, timeouts=tally.timeouts, errors=tally.errors)
 
     def _in_process(self, data_source: str) -> bool:
         local = self._local.get(data_source)

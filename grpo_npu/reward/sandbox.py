@@ -50,7 +50,7 @@ class SandboxSettings:
     max_failed_fraction: float = 0.1
     """Stop the run when more than this fraction of a batch's reward calls fail (1.0: never stop)."""
     memory_limit_mb: int = 4096
-    """A reward worker above this resident memory is killed (its row fails); above half, replaced between rows; 0: no limit."""
+    """Resident MB a reward worker may hold: above it killed (its row fails), above half replaced; 0: no limit."""
 
     def __post_init__(self) -> None:
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
@@ -71,6 +71,7 @@ MEMORY_POLL_S = 0.5  # how often the parent reads its busy workers' memory
 MIN_POLL_S = 0.01  # a deadline is confirmed on a second look, at least this much later
 EXIT_WITH_PARENT_POLL_S = 1.0  # a worker checks this often that the trainer is still alive
 EXIT_GRACE_S = 1.0  # a worker that closed its socket (or was asked to) gets this long to exit by itself
+KILL_WAIT_S = 5.0  # a killed worker is reaped within this, or left behind (uninterruptible I/O)
 
 # The worker's shared slot: (row key it is on or -1, when that row started (time.monotonic)), then one
 # byte the parent sets to ask the worker to exit after its current row.
@@ -214,7 +215,12 @@ class _Worker:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        code = self.proc.wait()
+        try:
+            code = self.proc.wait(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:  # stuck in the kernel (e.g. a hung network mount): leave it behind
+            logger.warning("reward worker %d did not exit %g s after SIGKILL; leaving it", self.proc.pid, KILL_WAIT_S)
+            self.ended = "killed"
+            return self.ended
         self.ended = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         return self.ended
 
@@ -301,7 +307,7 @@ class Sandbox:
         return max(wake - now, MIN_POLL_S)
 
     def _idle_limit(self, w: _Worker) -> float:
-        """How long a busy worker may go without starting a row: loading, or between taking a chunk and its first row."""
+        """How long a busy worker may go without starting a row: loading, or from taking a chunk to its first row."""
         return self.settings.timeout_s if w.ready else LOAD_TIMEOUT_S
 
     def _read(self, w: _Worker, queue: deque) -> None:
@@ -309,8 +315,9 @@ class Sandbox:
             w.since = time.monotonic()
             if kind == "load_error":
                 self._retire(w, queue, blame=None, why="could not load")
-                raise RewardFunctionBroken(f"{payload} (in a reward worker process)" if payload.startswith(
-                    "custom_reward_function.") else f"{self.who} cannot be loaded in a reward worker process: {payload}")
+                raise RewardFunctionBroken(
+                    f"{payload} (in a reward worker process)" if payload.startswith("custom_reward_function.")
+                    else f"{self.who} cannot be loaded in a reward worker process: {payload}")
             if kind == "eof":
                 self._retire(w, queue, blame="error", why=f"died ({w.end(grace=EXIT_GRACE_S)})")
                 return
