@@ -8,7 +8,7 @@ Where a row runs (``num_workers``: 0 automatic, N >= 1 a sandbox of N worker pro
   (:func:`grpo_npu.reward.score.runs_in_process`) and the row's data_source has a bounded scorer:
   one that reads only a fixed-length tail of the response (gsm8k, DAPO-math: 300 characters), so a
   response cannot make it slow, and that is plain Python over strings, so it cannot crash the
-  process. This keeps the default job's ~5 us a row. Unless ``num_workers`` >= 2 asks for a pool.
+  process. This keeps the default job's ~6 us a row. Unless ``num_workers`` >= 2 asks for a pool.
 - in the sandbox (:mod:`grpo_npu.reward.sandbox`) otherwise: every custom function
   (``custom_reward_function.path``), and built-in scorers whose cost grows with the response (MATH's
   ``\\boxed{}`` parsing reads all of it). Workers: ``num_workers``, or (0) one per CPU up to
@@ -32,7 +32,7 @@ import logging
 import math
 import os
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from grpo_npu.reward.call import (
@@ -87,7 +87,6 @@ class _Tally:
     sandbox_succeeded: int = 0
     sandbox_failed: int = 0
     first: str = ""
-    logged: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> int:
