@@ -1,10 +1,12 @@
-"""Rule rewards chosen by data_source, the custom-function hook, and reward managers (naive, dapo).
+"""Rule rewards chosen by data_source, the custom-function hook, the reward sandbox, and reward managers.
 
-The scorers import no torch (pool workers load only them); the managers are imported on first use.
+The scorers import no torch (sandbox workers load only them); the managers are imported on first use.
 """
 
+from grpo_npu.reward.call import RewardFunctionBroken, RewardFunctionError, TooManyRewardFailures
 from grpo_npu.reward.custom import FileFunction, load_function
-from grpo_npu.reward.parallel import RewardFunctionError, Scorer
+from grpo_npu.reward.parallel import Scorer
+from grpo_npu.reward.sandbox import SandboxSettings
 from grpo_npu.reward.score import (
     SYNTHETIC_DATA_SOURCE,
     compute_score,
@@ -25,6 +27,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "FileFunction", "RewardFunctionError", "SYNTHETIC_DATA_SOURCE", "Scorer", "compute_score", "known_data_sources",
-    "load_function", "make_compute_score", "register_scorer", *_MANAGER_NAMES,
+    "FileFunction", "RewardFunctionBroken", "RewardFunctionError", "SYNTHETIC_DATA_SOURCE", "SandboxSettings", "Scorer",
+    "TooManyRewardFailures", "compute_score", "known_data_sources", "load_function", "make_compute_score",
+    "register_scorer", *_MANAGER_NAMES,
 ]

@@ -13,19 +13,22 @@ Per-row info (``RewardOutput.extra``, one dict per row): ``score`` (the scorer's
 scorer's, else the score, as verl's DAPO manager does), ``pred`` (the extracted answer, or None),
 any other keys the scorer returned, and for dapo ``overlong_reward`` and ``overlong``.
 
-Scoring runs through :class:`grpo_npu.reward.parallel.Scorer` (``num_workers``: 0 auto, 1 in-process,
-N a pool of N), parallel only where it pays.
+Scoring runs through :class:`grpo_npu.reward.parallel.Scorer`: custom functions in the reward sandbox
+(per-row timeout, worker processes a crash cannot take down), bounded built-in scorers in this process.
+A failed row scores ``sandbox.fallback_score``; ``RewardOutput.metrics`` counts them per call
+(``reward/timeouts``, ``reward/errors``); too many in one call stop the run (``sandbox.max_failed_fraction``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
 from grpo_npu.algo.dapo import overlong_penalty
 from grpo_npu.reward.parallel import Scorer
+from grpo_npu.reward.sandbox import SandboxSettings
 from grpo_npu.reward.score import make_compute_score
 
 
@@ -33,6 +36,7 @@ from grpo_npu.reward.score import make_compute_score
 class RewardOutput:
     token_level_scores: torch.Tensor  # (B, T) float32: each row's reward on its last response token
     extra: list[dict]  # B dicts: score, acc, pred, ... (see the module docstring)
+    metrics: dict[str, float] = field(default_factory=dict)  # reward/timeouts, reward/errors: failed rows of this call
 
     def column(self, key: str) -> list:
         """The per-row values of ``key`` (None where a row lacks it)."""
@@ -64,9 +68,12 @@ class NaiveRewardManager:
 
     name = "naive"
 
-    def __init__(self, tokenizer, compute_score: Callable | None = None, *, num_workers: int = 0) -> None:
+    def __init__(
+        self, tokenizer, compute_score: Callable | None = None, *, num_workers: int = 0,
+        sandbox: SandboxSettings | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
-        self.scorer = Scorer(compute_score or make_compute_score(), num_workers=num_workers)
+        self.scorer = Scorer(compute_score or make_compute_score(), num_workers=num_workers, settings=sandbox)
 
     # -- scoring ----------------------------------------------------------------------------------
     def __call__(
@@ -90,14 +97,16 @@ class NaiveRewardManager:
         ids, ends = response_ids.tolist(), (last + 1).tolist()
         texts = decode(self.tokenizer, [row[:end] for row, end in zip(ids, ends)])
         rows = list(zip(range(B), data_sources, texts, ground_truths, extra_infos))
-        extra = self.scorer.score(rows)
+        scored = self.scorer.score(rows)
+        extra = scored.infos
 
         scores = torch.tensor([info["score"] for info in extra], dtype=torch.float32)  # (B,)
         rewards = self.shape_rewards(scores, response_mask.sum(dim=1), extra)  # (B,)
         token_level_scores = torch.zeros(B, T, dtype=torch.float32)
         has_token = last >= 0
         token_level_scores[has_token.nonzero().squeeze(1), last[has_token]] = rewards[has_token]
-        return RewardOutput(token_level_scores=token_level_scores, extra=extra)
+        metrics = {"reward/timeouts": float(scored.timeouts), "reward/errors": float(scored.errors)}
+        return RewardOutput(token_level_scores=token_level_scores, extra=extra, metrics=metrics)
 
     def shape_rewards(self, scores: torch.Tensor, lengths: torch.Tensor, extra: list[dict]) -> torch.Tensor:
         """(B,) final reward from (B,) scores and response lengths; may add per-row info."""
@@ -125,12 +134,13 @@ class DAPORewardManager(NaiveRewardManager):
         compute_score: Callable | None = None,
         *,
         num_workers: int = 0,
+        sandbox: SandboxSettings | None = None,
         max_response_length: int | None = None,
         overlong_buffer_enable: bool = False,
         overlong_buffer_len: int = 0,
         overlong_penalty_factor: float = 1.0,
     ) -> None:
-        super().__init__(tokenizer, compute_score, num_workers=num_workers)
+        super().__init__(tokenizer, compute_score, num_workers=num_workers, sandbox=sandbox)
         if overlong_buffer_enable and max_response_length is None:
             raise ValueError("reward_model.overlong_buffer.enable=True needs data.max_response_length")
         self.overlong_enable = overlong_buffer_enable
@@ -164,22 +174,27 @@ def get_reward_manager(
     tokenizer,
     compute_score: Callable | None = None,
     num_workers: int = 0,
+    sandbox: SandboxSettings | None = None,
     max_response_length: int | None = None,
     overlong_buffer_enable: bool = False,
     overlong_buffer_len: int = 0,
     overlong_penalty_factor: float = 1.0,
 ) -> NaiveRewardManager:
-    """The reward manager ``name`` (reward_model.reward_manager): naive | dapo."""
+    """The reward manager ``name`` (reward_model.reward_manager): naive | dapo.
+
+    ``sandbox``: timeout, fallback score, failure limit and worker memory limit (None: the defaults).
+    """
     if name not in REWARD_MANAGERS:
         raise ValueError(f"reward_model.reward_manager={name!r}; known: {sorted(REWARD_MANAGERS)}")
     if name == "naive":
         if overlong_buffer_enable:
             raise ValueError("reward_model.overlong_buffer.enable=True needs reward_model.reward_manager=dapo")
-        return NaiveRewardManager(tokenizer, compute_score, num_workers=num_workers)
+        return NaiveRewardManager(tokenizer, compute_score, num_workers=num_workers, sandbox=sandbox)
     return DAPORewardManager(
         tokenizer,
         compute_score,
         num_workers=num_workers,
+        sandbox=sandbox,
         max_response_length=max_response_length,
         overlong_buffer_enable=overlong_buffer_enable,
         overlong_buffer_len=overlong_buffer_len,
