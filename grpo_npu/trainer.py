@@ -32,6 +32,7 @@ from grpo_npu.input_checks import check_inputs
 from grpo_npu.rundir import RunDirLock, prepare_fresh_start
 from grpo_npu.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics
 from grpo_npu.reward.manager import get_reward_manager
+from grpo_npu.reward.sandbox import SandboxSettings
 from grpo_npu.reward.score import make_compute_score
 from grpo_npu.rollout import training_sampling, validation_sampling
 from grpo_npu.rollout.base import SamplingConfig
@@ -145,13 +146,16 @@ class Trainer:
 
             compute_score = make_compute_score(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
                                                dict(cfg.reward_model.reward_kwargs))
-            ob = cfg.reward_model.overlong_buffer
+            rm = cfg.reward_model
+            ob = rm.overlong_buffer
+            sandbox = SandboxSettings(timeout_s=rm.timeout_s, fallback_score=rm.fallback_score,
+                                      max_failed_fraction=rm.max_failed_fraction, memory_limit_mb=rm.memory_limit_mb)
             self.reward_fn = get_reward_manager(
-                cfg.reward_model.reward_manager, tokenizer=self.tokenizer, compute_score=compute_score,
-                num_workers=cfg.reward_model.num_workers, max_response_length=self.derived.response_length,
-                overlong_buffer_enable=ob.enable, overlong_buffer_len=ob.len, overlong_penalty_factor=ob.penalty_factor)
+                rm.reward_manager, tokenizer=self.tokenizer, compute_score=compute_score, num_workers=rm.num_workers,
+                max_response_length=self.derived.response_length, overlong_buffer_enable=ob.enable,
+                overlong_buffer_len=ob.len, overlong_penalty_factor=ob.penalty_factor, sandbox=sandbox)
             self.val_reward_fn = get_reward_manager("naive", tokenizer=self.tokenizer, compute_score=compute_score,
-                                                    num_workers=cfg.reward_model.num_workers)
+                                                    num_workers=rm.num_workers, sandbox=sandbox)
             kc = cfg.algorithm.kl_ctrl
             self.kl_ctrl = make_kl_controller(kc.type, kl_coef=kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon)
 
@@ -249,7 +253,9 @@ class Trainer:
                 batch, gen_metrics = self.generate(prompts, self.train_sampling(step, num_gen), uid_prefix=f"s{step}g{num_gen}")
             metrics.update(gen_metrics)
             with timer("reward"):
-                batch = self.reward(batch, self.reward_fn)
+                batch, reward_metrics = self.reward(batch, self.reward_fn)
+            for key, value in reward_metrics.items():  # failed-row counts add up over generation batches
+                metrics[key] = metrics.get(key, 0.0) + value
             if not fg.enable:
                 return batch, metrics
             keep = filter_groups(batch.token_level_scores.sum(-1), batch.uid, self._filter_metric(batch, fg.metric))
@@ -297,9 +303,10 @@ class Trainer:
         )
         return batch, reduce_metrics([o.metrics for o in outs])
 
-    def reward(self, batch: RolloutBatch, reward_fn) -> RolloutBatch:
+    def reward(self, batch: RolloutBatch, reward_fn) -> tuple[RolloutBatch, dict[str, float]]:
+        """Scores on each response's last token, and the reward call's reward/timeouts and reward/errors."""
         out = reward_fn(batch.response_ids, batch.response_mask, batch.data_source, batch.ground_truth, batch.extra_info)
-        return batch.replace(token_level_scores=out.token_level_scores, reward_extra=out.extra)
+        return batch.replace(token_level_scores=out.token_level_scores, reward_extra=out.extra), out.metrics
 
     def reuses_update_log_prob(self, step: int) -> bool:
         """The actor update supplies the old log-probs itself (on-policy; see actor.old_log_prob)."""
@@ -365,7 +372,7 @@ class Trainer:
         samples = []
         for prompts in loader:
             batch, _ = self.generate(prompts, sampling, uid_prefix="val")
-            batch = self.reward(batch, self.val_reward_fn)
+            batch, _ = self.reward(batch, self.val_reward_fn)
             for source, extra in zip(batch.data_source, batch.reward_extra):
                 scores[source].append(float(extra["score"]))
             if len(samples) < self.cfg.trainer.log_val_generations:

@@ -19,6 +19,7 @@ from grpo_npu.config.fields import choice, free_dict, many
 from grpo_npu.data.names import TRUNCATION_MODES
 from grpo_npu.names import DEVICE_CHOICES, EXISTING_RUN_POLICIES, LOGGERS, RESUME_MODES
 from grpo_npu.reward.names import REWARD_MANAGER_NAMES
+from grpo_npu.reward.sandbox import SandboxSettings
 from grpo_npu.workers.names import STRATEGIES
 
 
@@ -149,7 +150,15 @@ class RewardModelConfig:
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """DAPO overlong shaping."""
     num_workers: int = 0
-    """Processes for scoring (0: automatic by batch size)."""
+    """Reward worker processes (0: one per CPU, at most 16); >= 2 also sends the bounded built-in scorers to them."""
+    timeout_s: float = SandboxSettings.timeout_s
+    """Seconds one reward call may run before its worker is killed and the row gets fallback_score."""
+    fallback_score: float = SandboxSettings.fallback_score
+    """Score of a row whose reward call timed out, raised, crashed its worker or returned a non-number."""
+    max_failed_fraction: float = SandboxSettings.max_failed_fraction
+    """Stop the run when more than this fraction of a batch's reward calls fail (1.0: never stop)."""
+    memory_limit_mb: int = SandboxSettings.memory_limit_mb
+    """Resident MB a reward worker may hold: above it killed (its row fails), above half replaced; 0: no limit."""
 
 
 @dataclass(frozen=True)
