@@ -183,7 +183,8 @@ def test_all_zero_rewards_are_inconclusive_not_pass(tmp_path, capsys):
         ({s: 0.1 * s for s in range(1, 9)}, {s: 0.1 * s for s in range(5, 12)}, "only 4 common steps"),
         # one flat run: std 0 (B) or 5e-7 (A, below 1e-6) over the common steps.
         ({s: 0.1 * s for s in range(1, 9)}, {s: 0.5 for s in range(1, 9)}, "of run B is flat"),
-        ({s: 0.5 + (1e-6 if s % 2 else 0.0) for s in range(1, 9)}, {s: 0.1 * s for s in range(1, 9)}, "of run A is flat"),
+        ({s: 0.5 + (1e-6 if s % 2 else 0.0) for s in range(1, 9)}, {s: 0.1 * s for s in range(1, 9)},
+         "of run A is flat"),
     ],
 )
 def test_too_few_steps_or_a_flat_run_is_inconclusive(tmp_path, a, b, reason):
