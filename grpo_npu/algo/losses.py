@@ -4,7 +4,7 @@ Shapes: ``logp``, ``old_logp``, ``advantages``, ``values``, ``returns`` and ``ma
 ``logits`` is (B, T, V). Losses return ``(loss, metrics)``: a 0-d float32 loss (float64 stays
 float64) and a dict of detached 0-d tensors, each a mean over this call's valid tokens (the caller
 averages them across micro-batches). Nothing here reads a tensor back to Python (no ``item()``).
-Semantics: /work/shared/docs/algorithms.md ("Policy loss", "Loss aggregation").
+Formulas: docs/algorithms.md ("Policy losses", "Loss aggregation", "Value loss").
 
 Micro-batching and data parallelism: build each micro-batch's loss with the GLOBAL counts of its
 mini-batch (``num_tokens`` / ``num_seqs`` summed over all micro-batches and ranks, see
