@@ -1,4 +1,4 @@
-"""Step metrics under the names verl users already chart (see docs: algorithms.md, "Metrics").
+"""Step metrics under the names verl users already chart (definitions: docs/algorithms.md, "Metrics").
 
 Pure functions: a filled :class:`~grpo_npu.batch.RolloutBatch` (rewards and advantages computed)
 or plain numbers in, a flat ``{name: float}`` dict out. Shapes: B responses, T response tokens.

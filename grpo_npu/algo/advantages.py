@@ -4,10 +4,10 @@ Shapes: B responses, T response tokens; ``token_level_rewards``, ``values``, ``r
 both outputs are (B, T); ``group_ids`` holds one hashable key per response (the prompt uid).
 Every estimator returns ``(advantages, returns)`` in float32 (float64 input stays float64), zero
 outside the mask. Rewards at masked-out positions are ignored; a fully masked row still belongs to
-its group (with score 0) and gets advantage 0. Semantics: /work/shared/docs/algorithms.md
-("Advantages"); where verl differs in a corner, the doc wins: rloo gives a group of one advantage 0
-(verl leaves its raw score), and reinforce_plus_plus / gae discount once per valid token, skipping
-masked-out tokens inside a response (verl's reinforce_plus_plus restarts the return there).
+its group (with score 0) and gets advantage 0. Formulas: docs/algorithms.md ("Advantage
+estimators"). reinforce_plus_plus and gae discount once per valid token, skipping masked-out tokens
+inside a response, as verl 0.9.1 does; where verl differs: rloo gives a group of one advantage 0
+(verl leaves its raw score).
 
 Calling convention for the trainer: one uniform call for every estimator,
 

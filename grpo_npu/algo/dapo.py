@@ -1,6 +1,6 @@
 """DAPO pieces: dynamic-sampling group filter and overlong reward shaping.
 
-Semantics: /work/shared/docs/algorithms.md ("DAPO pieces"). The trainer owns the "keep sampling
+Formulas: docs/algorithms.md ("DAPO pieces"). The trainer owns the "keep sampling
 until enough groups survive" loop; these are the pure per-batch parts.
 """
 

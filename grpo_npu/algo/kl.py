@@ -2,7 +2,7 @@
 
 Shapes: ``logp`` / ``ref_logp`` / ``mask`` are (B, T); d = logp - ref_logp. Estimator names are
 those of verl's ``actor.kl_loss_type`` and ``algorithm.kl_penalty``; controllers follow
-``algorithm.kl_ctrl.{type, kl_coef, target_kl, horizon}``. Semantics: /work/shared/docs/algorithms.md.
+``algorithm.kl_ctrl.{type, kl_coef, target_kl, horizon}``. Formulas: docs/algorithms.md ("KL").
 Results are float32 (float64 input stays float64).
 """
 

@@ -4,7 +4,7 @@ Shapes: ``logp``, ``old_logp``, ``advantages``, ``values``, ``returns`` and ``ma
 ``logits`` is (B, T, V). Losses return ``(loss, metrics)``: a 0-d float32 loss (float64 stays
 float64) and a dict of detached 0-d tensors, each a mean over this call's valid tokens (the caller
 averages them across micro-batches). Nothing here reads a tensor back to Python (no ``item()``).
-Semantics: /work/shared/docs/algorithms.md ("Policy loss", "Loss aggregation").
+Formulas: docs/algorithms.md ("Policy losses", "Loss aggregation", "Value loss").
 
 Micro-batching and data parallelism: build each micro-batch's loss with the GLOBAL counts of its
 mini-batch (``num_tokens`` / ``num_seqs`` summed over all micro-batches and ranks, see
@@ -26,6 +26,11 @@ from grpo_npu.algo.registry import Registry
 # log(pi / pi_old) is clamped before exp(): exp(20) ~ 5e8 keeps the ratio and its gradient finite
 # in float32 and bfloat16 however far the policies have drifted apart.
 LOG_RATIO_CLAMP = 20.0
+
+# GSPO: the log of the sequence ratio is capped at 10 (ratio e^10 ~ 2.2e4) before exp(), with no floor,
+# as verl 0.9.1's compute_policy_loss_gspo does; the cap also stops the gradient of a capped sequence.
+GSPO_LOG_RATIO_MAX = 10.0
+
 
 # entropy_from_logits works on row chunks of at most this many float32 elements (64 MiB), so its
 # float32 temporaries stay small next to the (B, T, V) logits however large the vocabulary is.
@@ -84,17 +89,16 @@ def agg_loss(
         return values.sum() / _positive(num_tokens, dtype, device)
     if num_seqs is None:
         num_seqs = valid.any(-1).sum()
-    seq_sums = values.sum(-1)  # (B,), 0 for fully masked rows
-    if mode == "seq-mean-token-sum":
-        per_seq = seq_sums
-    elif mode == "seq-mean-token-mean":
-        per_seq = seq_sums / valid.sum(-1).clamp(min=1).to(dtype)
-    else:  # seq-mean-token-sum-norm
-        horizon = loss.shape[-1] if horizon is None else horizon
-        if horizon <= 0:
-            raise ValueError(f"horizon (data.max_response_length): expected > 0, got {horizon}")
-        per_seq = seq_sums / horizon
-    return per_seq.sum() / _positive(num_seqs, dtype, device)
+    per_seq = values.sum(-1)  # (B,) token sums, 0 for fully masked rows
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / valid.sum(-1).clamp(min=1).to(dtype)  # token means
+    seq_mean = per_seq.sum() / _positive(num_seqs, dtype, device)
+    if mode != "seq-mean-token-sum-norm":
+        return seq_mean
+    horizon = loss.shape[-1] if horizon is None else horizon
+    if horizon <= 0:
+        raise ValueError(f"horizon (data.max_response_length): expected > 0, got {horizon}")
+    return seq_mean / horizon  # divided after the sequence mean, in verl's order (same float rounding)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -173,23 +177,26 @@ def gspo_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     clip_c: float = 3.0,
-    agg_mode: str = "token-mean",
+    agg_mode: str = "seq-mean-token-mean",
     **agg_kwargs,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: the sequence ratio s_i = exp(token-mean log ratio), per token sg(s_i) * pi / sg(pi), clipped.
 
-    Published GSPO has no dual clip: ``clip_c`` is accepted for the common signature and unused,
-    and pg_clipfrac_lower is 0. Pass the small GSPO clip ranges (e.g. 3e-4 / 4e-4) and usually
-    agg_mode="seq-mean-token-mean".
+    As verl's compute_policy_loss_gspo: the token log ratios enter the sequence mean unclamped, the
+    per-token log ratio log(s_i) is capped at GSPO_LOG_RATIO_MAX before exp(), and ppo_kl is the
+    masked mean of the raw old_logp - logp. Published GSPO has no dual clip: ``clip_c`` is accepted
+    for the common signature and unused, and pg_clipfrac_lower is 0. Pass the small GSPO clip ranges
+    (e.g. 3e-4 / 4e-4); the default aggregation is verl's for GSPO, seq-mean-token-mean.
     """
     _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
     dtype = acc_dtype(logp)
     adv = advantages.to(dtype)
     logp = logp.to(dtype)
-    token_log_ratio = (logp - old_logp.to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
+    token_log_ratio = logp - old_logp.to(dtype)  # (B, T), unclamped
     seq_log_ratio = masked_mean(token_log_ratio, mask, dim=-1).detach()  # (B,)
-    # Value s_i on every token; gradient s_i * d logp_t (the token's share of d s_i).
-    ratio = torch.exp(logp - logp.detach() + seq_log_ratio.unsqueeze(-1))  # (B, T)
+    # Value log(s_i) on every token; gradient d logp_t (the token's share of d log s_i), zero once capped.
+    log_ratio = (logp - logp.detach() + seq_log_ratio.unsqueeze(-1)).clamp(max=GSPO_LOG_RATIO_MAX)  # (B, T)
+    ratio = torch.exp(log_ratio)
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(loss_unclipped, loss_clipped)

@@ -29,9 +29,13 @@ error <= 2% for SFT (key ``train/loss``), and throughput ratio = mean ``perf/thr
 a figure (and points to hiascend's LMaccuracy guide), so the relative form above is our reading of
 it, stated here so the number is reproducible.
 
-Exit codes: 0 when the MAE % is within the target, 1 when it is not (CI can gate on parity),
+No signal, no verdict: two runs whose rewards stay 0 have MAE 0% and prove nothing. The comparison
+is INCONCLUSIVE (never PASS or FAIL; the MAE is still shown) with fewer than 5 common steps, or when
+either run's metric has a population standard deviation below 1e-6 over the common steps.
+
+Exit codes: 0 PASS (the MAE % is within the target), 1 FAIL (it is not; CI can gate on parity),
 2 on bad input (missing file, malformed line, missing metric, no common steps, matplotlib absent
-while ``--plot`` was asked for).
+while ``--plot`` was asked for), 3 INCONCLUSIVE (no signal, see above).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import pstdev
 from typing import Any, Sequence
 
 from grpo_npu.tools import write_atomic
@@ -59,8 +64,16 @@ THROUGHPUT_STEPS = 4
 TARGET_PCT = {"rl": 4.0, "sft": 2.0}
 MODES = tuple(TARGET_PCT)
 DEFAULT_PLOT = "compare.png"
+# Fewer common steps, or a flatter curve (a reward that stays 0), and a comparison proves nothing.
+MIN_COMMON_STEPS = 5
+MIN_STD = 1e-6
 
-EXIT_WITHIN, EXIT_OUTSIDE, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_WITHIN, EXIT_OUTSIDE, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE = 0, 1, 2, 3
+EXIT_CODES_HELP = (
+    f"exit codes: {EXIT_WITHIN} PASS (MAE % within the target), {EXIT_OUTSIDE} FAIL (outside it), "
+    f"{EXIT_BAD_INPUT} bad input, {EXIT_INCONCLUSIVE} INCONCLUSIVE (no signal: fewer than {MIN_COMMON_STEPS} "
+    f"common steps, or either run's metric with a standard deviation below {MIN_STD:g} over them)"
+)
 
 
 class PlotUnavailable(RuntimeError):
@@ -137,6 +150,17 @@ def mae_percent(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
     return mae, 100.0 * mae / scale
 
 
+def no_signal_reason(num_common: int, std_a: float, std_b: float, key: str) -> str | None:
+    """Why comparing ``key`` over ``num_common`` steps with these population stds proves nothing, or None."""
+    if num_common < MIN_COMMON_STEPS:
+        return f"only {num_common} common steps with {key!r} (need >= {MIN_COMMON_STEPS})"
+    flat = [name for name, std in (("A", std_a), ("B", std_b)) if std < MIN_STD]
+    if flat:
+        runs = " and ".join(f"run {name}" for name in flat)
+        return f"{key!r} of {runs} is flat over the common steps (std < {MIN_STD:g})"
+    return None
+
+
 def first_steps_mean(curve: dict[int, float], n: int) -> tuple[float, tuple[int, ...]]:
     """Mean of a curve over its first ``n`` logged steps (fewer if the run is shorter)."""
     steps = tuple(sorted(curve)[:n])
@@ -162,16 +186,26 @@ class ParityReport:
     throughput_ratio: float | None
     throughput_steps_a: tuple[int, ...]
     throughput_steps_b: tuple[int, ...]
+    std_a: float
+    std_b: float
+    inconclusive_reason: str | None
     curve_a: dict[int, float] = field(repr=False)
     curve_b: dict[int, float] = field(repr=False)
 
     @property
     def within_target(self) -> bool:
-        return self.mae_pct <= self.target_pct
+        """A PASS: the comparison has signal and its MAE % is within the target."""
+        return self.inconclusive_reason is None and self.mae_pct <= self.target_pct
+
+    @property
+    def verdict(self) -> str:
+        if self.inconclusive_reason is not None:
+            return "INCONCLUSIVE"
+        return "PASS" if self.within_target else "FAIL"
 
     @property
     def exit_code(self) -> int:
-        return EXIT_WITHIN if self.within_target else EXIT_OUTSIDE
+        return {"PASS": EXIT_WITHIN, "FAIL": EXIT_OUTSIDE, "INCONCLUSIVE": EXIT_INCONCLUSIVE}[self.verdict]
 
     def summary(self) -> dict[str, Any]:
         """The JSON summary: every number above (non-finite ones as null) without the curves."""
@@ -189,6 +223,10 @@ class ParityReport:
             "max_abs_diff": _finite_or_none(self.max_abs_diff),
             "baseline_mean_abs": self.baseline_mean_abs,
             "target_pct": self.target_pct,
+            "std_a": self.std_a,
+            "std_b": self.std_b,
+            "verdict": self.verdict,
+            "inconclusive_reason": self.inconclusive_reason,
             "within_target": self.within_target,
             "throughput_key": THROUGHPUT_KEY,
             "throughput_a": self.throughput_a,
@@ -240,6 +278,7 @@ def compare_runs(
     a = [curve_a[s] for s in common]
     b = [curve_b[s] for s in common]
     mae, mae_pct = mae_percent(a, b)
+    std_a, std_b = pstdev(a), pstdev(b)
 
     tp_a = tp_b = ratio = None
     steps_tp_a: tuple[int, ...] = ()
@@ -264,6 +303,9 @@ def compare_runs(
         max_abs_diff=max(abs(x - y) for x, y in zip(a, b)),
         baseline_mean_abs=sum(abs(y) for y in b) / len(b),
         target_pct=target,
+        std_a=std_a,
+        std_b=std_b,
+        inconclusive_reason=no_signal_reason(len(common), std_a, std_b, key),
         throughput_a=tp_a,
         throughput_b=tp_b,
         throughput_ratio=ratio,
@@ -285,11 +327,10 @@ def _span(steps: Sequence[int] | dict[int, float]) -> str:
 def format_report(report: ParityReport) -> str:
     """The stdout table."""
     pct = f"{report.mae_pct:.2f}%" if math.isfinite(report.mae_pct) else "inf"
-    verdict = "PASS" if report.within_target else "FAIL"
     what = "reward" if report.mode == "rl" else "loss"
     rows = [
         ("check", "value", "target", "result"),
-        (f"{what} MAE %", pct, f"<= {report.target_pct:g}%", verdict),
+        (f"{what} MAE %", pct, f"<= {report.target_pct:g}%", report.verdict),
     ]
     if report.throughput_ratio is not None:
         rows.append(("throughput ratio A/B", f"{report.throughput_ratio:.3f}", "-", "info"))
@@ -310,7 +351,10 @@ def format_report(report: ParityReport) -> str:
             f"steps: A {report.throughput_a:.6g} (steps {_span(report.throughput_steps_a)}), "
             f"B {report.throughput_b:.6g} (steps {_span(report.throughput_steps_b)})"
         )
-    lines.append(f"verdict: {'within' if report.within_target else 'outside'} target (exit {report.exit_code})")
+    why = f"{'within' if report.within_target else 'outside'} target"
+    if report.inconclusive_reason is not None:
+        why = f"inconclusive, no signal: {report.inconclusive_reason}"
+    lines.append(f"verdict: {why} (exit {report.exit_code})")
     return "\n".join(lines)
 
 
@@ -333,7 +377,7 @@ def plot_curves(report: ParityReport, path: str | os.PathLike) -> Path:
         ax.plot(list(curve), list(curve.values()), marker="." if len(curve) < 50 else None,
                 label=f"{label}: {_run_name(run)}")
     pct = f"{report.mae_pct:.2f}%" if math.isfinite(report.mae_pct) else "inf"
-    ax.set_title(f"{report.metric_key}: MAE {pct} (target <= {report.target_pct:g}%)")
+    ax.set_title(f"{report.metric_key}: MAE {pct} (target <= {report.target_pct:g}%): {report.verdict}")
     ax.set_xlabel(STEP_KEY)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(report.metric_key)
@@ -356,6 +400,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m grpo_npu.tools.compare_runs",
         description="Parity report of run A against the baseline run B (reward/loss MAE %, throughput ratio).",
+        epilog=EXIT_CODES_HELP,
     )
     p.add_argument("run_a", help=f"run directory (with {RUN_FILE}) or metrics jsonl path")
     p.add_argument("run_b", help="the baseline run: directory or metrics jsonl path")

@@ -54,14 +54,19 @@ def ref_ppo_token(lp, olp, a, clip_low, clip_high, clip_c):
 
 
 def ref_gspo_row(lps, olps, advs, clip_low, clip_high):
-    """Per valid token of one row: (loss, d loss / d lp, clipped)."""
-    seq_log_ratio = sum(min(max(lp - olp, -20.0), 20.0) for lp, olp in zip(lps, olps)) / len(lps)
-    s = math.exp(seq_log_ratio)
+    """Per valid token of one row: (loss, d loss / d lp, clipped), as verl 0.9.1's compute_policy_loss_gspo.
+
+    The sequence log ratio is the plain mean of the token log ratios; it is capped at 10 (no floor)
+    before exp, and a capped sequence passes no gradient.
+    """
+    seq_log_ratio = sum(lp - olp for lp, olp in zip(lps, olps)) / len(lps)
+    capped = seq_log_ratio > 10.0
+    s = math.exp(min(seq_log_ratio, 10.0))
     out = []
     for a in advs:
         l1 = -a * s
         l2 = -a * min(max(s, 1 - clip_low), 1 + clip_high)
-        out.append((max(l1, l2), -a * s if l1 >= l2 else 0.0, l2 > l1))
+        out.append((max(l1, l2), -a * s if l1 >= l2 and not capped else 0.0, l2 > l1))
     return out
 
 
@@ -216,6 +221,39 @@ def test_gspo_gradient_equals_the_sequence_level_objective(batch_kit, seed):
     (ref_grad,) = torch.autograd.grad(reference, logp)
     torch.testing.assert_close(loss, reference)
     torch.testing.assert_close(grad, ref_grad)
+
+
+def test_gspo_matches_verl_on_large_policy_moves():
+    """Rows whose sequence log ratio passes 10, where a +-20 token clamp and an uncapped ratio would differ.
+
+    Written from verl 0.9.1's compute_policy_loss_gspo: row 0 moves by 12 per token (capped at 10:
+    ratio e^10, not e^12); row 1 has token moves 26 and -4 (raw mean 11, capped at 10; a token clamp
+    at 20 would give mean 8); ppo_kl averages the raw old_logp - logp (-46.01 / 7, not -40.01 / 7).
+    """
+    clip_low, clip_high = 3e-4, 4e-4
+    inf = float("inf")  # a padding position of old_logp: never read
+    logp = torch.tensor(
+        [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [-1.0, -2.0, -0.5], [0.0, 0.0, 0.0]], dtype=torch.float64, requires_grad=True
+    )
+    old_logp = torch.tensor(
+        [[-12.0, -12.0, 0.0], [-26.0, 4.0, 0.0], [-1.1, -1.9, -inf], [-0.01, 0.0, 0.0]], dtype=torch.float64
+    )
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 0, 0]])
+    advantages = torch.tensor([[-1.0] * 3, [-0.5] * 3, [2.0] * 3, [1.0] * 3], dtype=torch.float64)
+    loss, metrics = losses.gspo_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high)
+    loss.backward()
+
+    # Per-sequence token-mean losses, then the mean over the 4 sequences (verl's default seq-mean-token-mean).
+    row_losses = [math.exp(10.0), 0.5 * math.exp(10.0), -2.0 * math.exp(0.0), -1.0 * (1 + clip_high)]
+    assert float(loss.detach()) == pytest.approx(sum(row_losses) / 4, rel=1e-12)
+    # Capped rows and the clipped row pass no gradient; row 2 (ratio 1): -A * s / (len 2 * 4 sequences).
+    expected_grad = torch.zeros(4, 3, dtype=torch.float64)
+    expected_grad[2, :2] = -2.0 / (2 * 4)
+    torch.testing.assert_close(logp.grad, expected_grad)
+    raw_old_minus_new = [-12.0, -12.0, -26.0, 4.0, -0.1, 0.1, -0.01]  # the 7 valid tokens, unclamped
+    assert float(metrics["ppo_kl"]) == pytest.approx(sum(raw_old_minus_new) / 7, rel=1e-9)
+    assert float(metrics["pg_clipfrac"]) == pytest.approx(1 / 7)
+    assert float(metrics["pg_clipfrac_lower"]) == 0.0
 
 
 # ------------------------------------------------------------------------------------------------

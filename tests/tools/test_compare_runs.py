@@ -149,10 +149,66 @@ def test_custom_reward_key(tmp_path):
 def test_zero_baseline(tmp_path):
     zeros = write_run(tmp_path, "z", rl_rows({1: 0.0, 2: 0.0}))
     same = cr.compare_runs(zeros, zeros)
-    assert same.mae_pct == 0.0 and same.within_target
+    assert same.mae_pct == 0.0 and not same.within_target and same.verdict == "INCONCLUSIVE"
     other = cr.compare_runs(write_run(tmp_path, "a", rl_rows({1: 0.1, 2: 0.0})), zeros)
     assert math.isinf(other.mae_pct) and not other.within_target
     assert other.summary()["mae_pct"] is None  # JSON-safe
+
+
+# --------------------------------------------------------------------------------------------
+# No signal: INCONCLUSIVE, never PASS
+# --------------------------------------------------------------------------------------------
+def test_all_zero_rewards_are_inconclusive_not_pass(tmp_path, capsys):
+    zeros = {s: 0.0 for s in range(1, 21)}
+    a, b = write_run(tmp_path, "a", rl_rows(zeros)), write_run(tmp_path, "b", rl_rows(zeros))
+    report = cr.compare_runs(a, b)
+    assert report.mae_pct == 0.0
+    assert report.verdict == "INCONCLUSIVE" and not report.within_target
+    assert report.exit_code == cr.EXIT_INCONCLUSIVE == 3
+    assert "run A and run B is flat" in report.inconclusive_reason
+    summary = report.summary()
+    assert summary["verdict"] == "INCONCLUSIVE" and summary["within_target"] is False
+    assert summary["std_a"] == summary["std_b"] == 0.0
+    assert cr.main([str(a), str(b), "--no-plot"]) == 3
+    out = capsys.readouterr().out
+    assert "INCONCLUSIVE" in out and "PASS" not in out
+    assert "verdict: inconclusive, no signal: 'critic/score/mean' of run A and run B is flat" in out
+
+
+@pytest.mark.parametrize(
+    "a, b, reason",
+    [
+        # 4 common steps of moving curves: too few (5 needed), though their MAE would pass.
+        ({s: 0.1 * s for s in range(1, 5)}, {s: 0.1 * s for s in range(1, 5)}, "only 4 common steps"),
+        ({s: 0.1 * s for s in range(1, 9)}, {s: 0.1 * s for s in range(5, 12)}, "only 4 common steps"),
+        # one flat run: std 0 (B) or 5e-7 (A, below 1e-6) over the common steps.
+        ({s: 0.1 * s for s in range(1, 9)}, {s: 0.5 for s in range(1, 9)}, "of run B is flat"),
+        ({s: 0.5 + (1e-6 if s % 2 else 0.0) for s in range(1, 9)}, {s: 0.1 * s for s in range(1, 9)},
+         "of run A is flat"),
+    ],
+)
+def test_too_few_steps_or_a_flat_run_is_inconclusive(tmp_path, a, b, reason):
+    report = cr.compare_runs(write_run(tmp_path, "a", rl_rows(a)), write_run(tmp_path, "b", rl_rows(b)))
+    assert report.verdict == "INCONCLUSIVE" and report.exit_code == 3
+    assert reason in report.inconclusive_reason
+
+
+def test_signal_at_the_thresholds_gives_a_verdict(tmp_path):
+    # Exactly 5 common steps; run A's std just above 1e-6 (1.22e-6): a real PASS / FAIL.
+    b = {s: 1.0 + 0.1 * s for s in range(1, 6)}
+    a = {1: 1.0, 2: 1.0, 3: 1.0 + 2.5e-6, 4: 1.0 + 2.5e-6, 5: 1.0 + 2.5e-6}
+    report = cr.compare_runs(write_run(tmp_path, "a", rl_rows(b)), write_run(tmp_path, "b", rl_rows(b)))
+    assert report.verdict == "PASS" and report.exit_code == 0 and report.inconclusive_reason is None
+    near_flat = cr.compare_runs(write_run(tmp_path, "n", rl_rows(a)), write_run(tmp_path, "b", rl_rows(b)))
+    assert near_flat.std_a >= cr.MIN_STD and near_flat.verdict == "FAIL" and near_flat.exit_code == 1
+
+
+def test_help_documents_the_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        cr.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "3 INCONCLUSIVE" in out and "fewer than 5 common steps" in out and "0 PASS" in out
+    assert "3 INCONCLUSIVE" in cr.__doc__
 
 
 def test_mae_percent_direct():
@@ -251,8 +307,8 @@ def test_main_within_target_writes_json_and_plot(tmp_path, capsys):
 
 @needs_matplotlib
 def test_main_outside_target_exits_1_and_default_plot_goes_to_cwd(tmp_path, monkeypatch, capsys):
-    a = write_run(tmp_path, "a", rl_rows({1: 0.5, 2: 0.6}))
-    b = write_run(tmp_path, "b", rl_rows({1: 0.4, 2: 0.5}))
+    a = write_run(tmp_path, "a", rl_rows({s: 0.5 + 0.1 * s for s in range(1, 6)}))
+    b = write_run(tmp_path, "b", rl_rows({s: 0.4 + 0.1 * s for s in range(1, 6)}))
     monkeypatch.chdir(tmp_path)
     assert cr.main([str(a), str(b)]) == 1
     assert "FAIL" in capsys.readouterr().out
@@ -272,7 +328,7 @@ def test_missing_matplotlib_skips_default_plot_but_fails_explicit_plot(tmp_path,
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     monkeypatch.chdir(tmp_path)
-    a = write_run(tmp_path, "a", rl_rows({1: 0.5, 2: 0.5}))
+    a = write_run(tmp_path, "a", rl_rows({s: 0.1 * s for s in range(1, 6)}))
     assert cr.main([str(a), str(a)]) == 0
     assert "plot: skipped, matplotlib is not installed" in capsys.readouterr().out
     assert not (tmp_path / cr.DEFAULT_PLOT).exists()
@@ -281,8 +337,8 @@ def test_missing_matplotlib_skips_default_plot_but_fails_explicit_plot(tmp_path,
 
 
 def test_module_entry_point_exit_code(tmp_path):
-    a = write_run(tmp_path, "a", rl_rows({1: 1.0, 2: 1.0}))
-    b = write_run(tmp_path, "b", rl_rows({1: 2.0, 2: 2.0}))
+    a = write_run(tmp_path, "a", rl_rows({s: 1.0 * s for s in range(1, 6)}))
+    b = write_run(tmp_path, "b", rl_rows({s: 2.0 * s for s in range(1, 6)}))
     env = {**os.environ, "PYTHONPATH": str(Path(grpo_npu.__file__).parents[1])}
     proc = subprocess.run(
         [sys.executable, "-m", "grpo_npu.tools.compare_runs", str(a), str(b), "--no-plot"],
