@@ -458,19 +458,19 @@ class Actor(Policy):
         """ppo_epochs over mini-batches of this rank's rows; one scheduler step. Collective.
 
         Needs advantages (and ref_logp when use_kl_loss) and old_logp, except on-policy: a batch without
-        old_logp when the config reuses the update's forward (``Derived.reuse_update_log_prob``: one
+        old_logp when the config reuses the update's forward (``Derived.old_logp_from_update``: one
         epoch, one mini-batch), where old = the detached log-probs of that forward, which is where the
         separate pass would have been computed, and ``actor/entropy`` and ``rollout/logp_diff_*`` come
         from it too. Returns verl-named metrics, reduced over ranks, micro-batches and mini-batches.
         """
         cfg, dev = self.cfg, self.dev
-        on_policy = batch.old_logp is None
+        old_logp_from_update = batch.old_logp is None
         if batch.advantages is None:
             raise ValueError("update_actor: the batch needs advantages")
-        if on_policy and not self.derived.reuse_update_log_prob:
+        if old_logp_from_update and not self.derived.old_logp_from_update:
             raise ValueError("update_actor: the batch needs old_logp (the update's forward is reused only with "
                              "actor.old_log_prob=auto, ppo_epochs=1 and ppo_mini_batch_size=train_batch_size)")
-        if on_policy and len(batch) != self.derived.mini_batch_responses_per_rank:
+        if old_logp_from_update and len(batch) != self.derived.mini_batch_responses_per_rank:
             raise ValueError(f"update_actor: on-policy reuse needs the whole batch as one mini-batch: {len(batch)} "
                              f"rows on this rank, mini-batch {self.derived.mini_batch_responses_per_rank}")
         if cfg.use_kl_loss and batch.ref_logp is None:
@@ -483,7 +483,7 @@ class Actor(Policy):
         with params_on(self.module, dev, self.param_offload), optimizer_on(self.optimizer, dev, cfg.fsdp_config.optimizer_offload):
             for _ in range(cfg.ppo_epochs):
                 for rows in mini_batches(len(batch), self.derived.mini_batch_responses_per_rank, self.shuffle):
-                    mini_sums, mini_max = self.backward_mini_batch(batch.select(rows), on_policy)
+                    mini_sums, mini_max = self.backward_mini_batch(batch.select(rows), old_logp_from_update)
                     sums += mini_sums
                     diff_max = torch.maximum(diff_max, mini_max)
                     norm, stepped = clip_and_step(self.params, self.optimizer, cfg.grad_clip)
@@ -507,14 +507,14 @@ class Actor(Policy):
         if cfg.use_kl_loss:
             metrics["actor/kl_loss"] = total["kl_loss"] / steps
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
-        if cfg.entropy_coeff != 0 or on_policy:
+        if cfg.entropy_coeff != 0 or old_logp_from_update:
             metrics["actor/entropy"] = total["entropy"] / steps
-        if on_policy and batch.rollout_logp is not None:
+        if old_logp_from_update and batch.rollout_logp is not None:
             metrics["rollout/logp_diff_mean"] = total["logp_diff"] / tokens
             metrics["rollout/logp_diff_max"] = float(diff_max.item())
         return metrics
 
-    def backward_mini_batch(self, mini: RolloutBatch, on_policy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward_mini_batch(self, mini: RolloutBatch, old_logp_from_update: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward every micro-batch of one mini-batch, accumulating gradients (no step).
 
         Returns this rank's metric sums (see _SUM_KEYS) and the max |rollout - old log-prob| (on-policy
@@ -529,12 +529,12 @@ class Actor(Policy):
         scale = dist.get_world_size()  # FSDP averages gradients over ranks; the losses are global sums
         sums = torch.zeros(len(_SUM_KEYS), dtype=torch.float64, device=dev.torch_device())
         diff_max = torch.zeros(1, dtype=torch.float64, device=dev.torch_device())
-        with_entropy = cfg.entropy_coeff != 0 or on_policy  # on-policy: actor/entropy comes from this forward
+        with_entropy = cfg.entropy_coeff != 0 or old_logp_from_update  # on-policy: actor/entropy comes from this forward
         for rows in groups:
             micro = trim_padding(mini.select(rows)).to(dev.torch_device())
             mask = micro.response_mask
             logp, entropy = self.forward(micro, with_entropy)
-            old_logp = logp.detach() if on_policy else micro.old_logp  # (b, T): ratio exactly 1 on-policy
+            old_logp = logp.detach() if old_logp_from_update else micro.old_logp  # (b, T): ratio exactly 1 on-policy
             pg_loss, m = self.policy_loss_fn(
                 logp, old_logp, micro.advantages, mask, clip_low=d.clip_low, clip_high=d.clip_high,
                 clip_c=cfg.clip_ratio_c, agg_mode=cfg.loss_agg_mode, **agg,
@@ -550,7 +550,7 @@ class Actor(Policy):
                 ent_loss = losses.agg_loss(ent, mask, cfg.loss_agg_mode, **agg)
             if cfg.entropy_coeff != 0:
                 loss = loss - cfg.entropy_coeff * ent_loss
-            if on_policy and micro.rollout_logp is not None:
+            if old_logp_from_update and micro.rollout_logp is not None:
                 diff = logp_abs_diff(micro.rollout_logp, old_logp, mask)  # (n,) valid tokens
                 if diff.numel():
                     diff_sum = diff.sum()

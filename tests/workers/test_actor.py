@@ -244,7 +244,7 @@ def test_on_policy_update_reuses_its_forward_as_old_log_probs(tiny_model_path):
                                       "actor_rollout_ref.actor.use_kl_loss=True",
                                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                                       "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3"))
-        assert worker.derived.reuse_update_log_prob == (mode == "auto")
+        assert worker.derived.old_logp_from_update == (mode == "auto")
         if mode == "recompute":
             with pytest.raises(ValueError, match="needs old_logp"):
                 worker.update_actor(batch)
