@@ -132,7 +132,10 @@ class UpdateLoop:
                            grad_norm=sum(grad_norms) / max(steps, 1), skipped=skipped, lr=lr)
 
     def backward_mini_batch(self, mini: RolloutBatch, loss_fn: MicroLossFn, totals: _Totals | None = None) -> None:
-        """Forward/backward every micro-batch of one mini-batch, accumulating gradients (no step). Collective."""
+        """Forward/backward every micro-batch of one mini-batch, accumulating gradients (no step). Collective.
+
+        ``totals`` collects the metric parts and the global token count (None: gradients only).
+        """
         device = self.dev.torch_device()
         num_tokens, num_seqs = global_counts(mini.response_mask, device)
         agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=self.horizon)
