@@ -3,12 +3,14 @@
 Data: parquet rows with a chat ``prompt`` (data.prompt_key) and a target ``response`` string
 (data.response_key), or a ``messages`` conversation whose last message is the assistant's answer.
 Loss: token-mean negative log-likelihood of the response tokens only (prompt tokens carry no loss),
-computed by the same actor code as the RL update (FSDP2, micro-batches with global token counts,
-gradient clipping, AdamW and its schedule). ``python -m grpo_npu.main_sft`` runs it.
+computed by the actor's update loop (:mod:`grpo_npu.workers.update_loop`: FSDP2, micro-batches with
+global token counts, gradient clipping, AdamW and its schedule) with this NLL as its loss.
+``python -m grpo_npu.main_sft`` runs it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -19,9 +21,12 @@ import pyarrow.parquet as pq
 import torch
 
 from grpo_npu import config as C
+from grpo_npu.algo import losses
 from grpo_npu.batch import RolloutBatch
 from grpo_npu.data.rl_dataset import left_pad
+from grpo_npu.workers.actor import Actor
 from grpo_npu.workers.hybrid import HybridWorker
+from grpo_npu.workers.update_loop import MicroLoss
 
 log = logging.getLogger(__name__)
 
@@ -129,36 +134,18 @@ def run_sft(cfg: C.Config, group=None, *, export_dir: str | None = None) -> list
 # ================================================================================================
 # The SFT step, run inside each rank (same FSDP2 actor, optimizer and schedule as the RL update)
 # ================================================================================================
-def sft_step(actor, batch: RolloutBatch) -> dict[str, float]:
+def sft_step(actor: Actor, batch: RolloutBatch) -> dict[str, float]:
     """One optimizer step of token-mean NLL on this rank's rows (global token count). Collective."""
-    import torch.distributed as dist
+    stats = actor.loop.run(batch, functools.partial(nll_loss, actor), epochs=1, mini_batch_size=len(batch),
+                           shuffle=False)
+    return {"train/loss": stats.per_step("loss"), **stats.optimizer_metrics("train")}
 
-    from grpo_npu.algo import losses
-    from grpo_npu.workers import fsdp
-    from grpo_npu.workers.actor import clip_and_step, optimizer_on, params_on, plan_micro_batches, step_scheduler
-    from grpo_npu.workers.micro_batch import trim_padding
 
-    dev, cfg, d = actor.dev, actor.cfg, actor.derived
-    actor.module.train()
-    lr = actor.optimizer.param_groups[0]["lr"]
-    num_tokens, num_seqs = losses.agg_counts(batch.response_mask)
-    counts = fsdp.all_reduce(torch.stack([num_tokens, num_seqs]).to(dev.torch_device()))
-    groups = plan_micro_batches(batch, size=d.micro_batch_per_rank,
-                                max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None, dev=dev)
-    scale = dist.get_world_size()  # FSDP averages gradients over ranks; the loss is a global mean
-    loss_sum = torch.zeros((), dtype=torch.float64, device=dev.torch_device())
-    with params_on(actor.module, dev, actor.param_offload), optimizer_on(actor.optimizer, dev, cfg.fsdp_config.optimizer_offload):
-        for rows in groups:
-            micro = trim_padding(batch.select(rows)).to(dev.torch_device())
-            logp, _ = actor.forward(micro, False)
-            loss = losses.agg_loss(-logp, micro.response_mask, "token-mean", num_tokens=counts[0], num_seqs=counts[1])
-            (loss * scale).backward()
-            loss_sum += loss.detach().double()
-        norm, stepped = clip_and_step(actor.params, actor.optimizer, cfg.grad_clip)
-    step_scheduler(actor.scheduler)
-    fsdp.all_reduce(loss_sum)
-    return {"train/loss": float(loss_sum.item()), "train/grad_norm": norm, "train/lr": lr,
-            "train/skipped_steps": float(not stepped)}
+def nll_loss(actor: Actor, micro: RolloutBatch, agg: dict) -> MicroLoss:
+    """Token-mean negative log-likelihood of one micro-batch's response tokens over the global token count."""
+    logp, _ = actor.forward(micro, False)  # (b, T)
+    loss = losses.agg_loss(-logp, micro.response_mask, "token-mean", **agg)
+    return MicroLoss(loss, {"loss": loss})
 
 
 class SFTWorker(HybridWorker):

@@ -308,18 +308,18 @@ class Trainer:
         out = reward_fn(batch.response_ids, batch.response_mask, batch.data_source, batch.ground_truth, batch.extra_info)
         return batch.replace(token_level_scores=out.token_level_scores, reward_extra=out.extra), out.metrics
 
-    def reuses_update_log_prob(self, step: int) -> bool:
-        """The actor update supplies the old log-probs itself (on-policy; see actor.old_log_prob)."""
-        return self.derived.reuse_update_log_prob and step > self.cfg.trainer.critic_warmup
+    def old_logp_from_update(self, step: int) -> bool:
+        """The actor update supplies the old log-probs itself (see actor.old_log_prob)."""
+        return self.derived.old_logp_from_update and step > self.cfg.trainer.critic_warmup
 
     def score_with_models(self, batch: RolloutBatch, step: int, timer: Timer) -> tuple[RolloutBatch, dict[str, float]]:
-        """Old log-probs (actor, unless the update reuses its forward), reference log-probs and values,
+        """Old log-probs (actor, unless they come from the update), reference log-probs and values,
         on balanced rank shards."""
         if self.cfg.trainer.balance_batch:
             order = balance_order((batch.prompt_lengths + batch.response_lengths).tolist(), self.world_size)
             batch = batch.select(order)
         metrics: dict[str, float] = {}
-        if not self.reuses_update_log_prob(step):
+        if not self.old_logp_from_update(step):
             with timer("old_log_prob"):
                 old_logp, metrics = self.workers.compute_log_prob(batch)
                 batch = batch.replace(old_logp=old_logp)
@@ -355,7 +355,7 @@ class Trainer:
         if step > self.cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 metrics.update(self.workers.update_actor(batch))
-        if batch.rollout_logp is not None and batch.old_logp is not None:  # else the update reported them
+        if batch.rollout_logp is not None and not self.old_logp_from_update(step):  # else the update reported them
             from grpo_npu.rollout import logp_diff_metrics
 
             metrics.update({k: float(v) for k, v in

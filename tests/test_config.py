@@ -215,4 +215,4 @@ def test_update_reuses_its_forward_as_old_log_probs_only_on_policy(overrides, re
     """One optimizer step on the whole batch, nothing reading old log-probs before it: reuse; else a separate pass."""
     cfg = load_config(["trainer.n_gpus_per_node=1", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", *overrides])
-    assert derive(cfg, 1).reuse_update_log_prob is reuse
+    assert derive(cfg, 1).old_logp_from_update is reuse

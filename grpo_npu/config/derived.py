@@ -42,7 +42,7 @@ class Derived:
     log_prob_max_token_len: int
     ref_log_prob_use_dynamic_bsz: bool
     ref_log_prob_max_token_len: int
-    reuse_update_log_prob: bool = False  # old log-probs come from the update's forward (actor.old_log_prob=auto)
+    old_logp_from_update: bool = False  # old log-probs come from the update's forward (actor.old_log_prob=auto)
 
 
 def derive(cfg: Config, world_size: int | None = None) -> Derived:
@@ -129,6 +129,6 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
         log_prob_max_token_len=rollout.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu,
         ref_log_prob_use_dynamic_bsz=ref_dyn,
         ref_log_prob_max_token_len=arr.ref.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu,
-        reuse_update_log_prob=(actor.old_log_prob == "auto" and actor.ppo_epochs == 1
-                               and actor.ppo_mini_batch_size == d.train_batch_size and not alg.use_kl_in_reward),
+        old_logp_from_update=(actor.old_log_prob == "auto" and actor.ppo_epochs == 1
+                              and actor.ppo_mini_batch_size == d.train_batch_size and not alg.use_kl_in_reward),
     )

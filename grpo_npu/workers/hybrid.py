@@ -23,16 +23,10 @@ from grpo_npu.batch import RolloutBatch
 from grpo_npu.config import Config, derive
 from grpo_npu.device import get_device
 from grpo_npu.workers import fsdp
-from grpo_npu.workers.actor import (
-    Actor,
-    CausalLMLogProbs,
-    Policy,
-    build_sharded,
-    compute_dtype_of,
-    fused_kernels_on,
-    params_on,
-)
+from grpo_npu.workers.actor import Actor, Policy
 from grpo_npu.workers.critic import Critic, ValueHead
+from grpo_npu.workers.response_model import CausalLMLogProbs, build_sharded, compute_dtype_of, fused_kernels_on
+from grpo_npu.workers.update_loop import params_on
 
 log = logging.getLogger(__name__)
 
@@ -211,14 +205,14 @@ class HybridWorker:
         """This rank's shards of actor (and critic) model + optimizer + scheduler + RNG under ``out_dir``."""
         contents = set(self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
         actor = self._need("actor")
-        extra = {"step": step, "rng": self.dev.get_rng_state(), **actor.state_extra()}
+        extra = {"step": step, "rng": self.dev.get_rng_state(), **actor.loop.state_extra()}
         with params_on(actor.module, self.dev, actor.param_offload):
             fsdp.save_sharded(os.path.join(out_dir, ACTOR_DIR), actor.module,
-                              actor.optimizer if "optimizer" in contents else None, extra)
+                              actor.loop.optimizer if "optimizer" in contents else None, extra)
         if self.critic is not None:
             with params_on(self.critic.module, self.dev, self.critic.param_offload):
-                fsdp.save_sharded(os.path.join(out_dir, CRITIC_DIR), self.critic.module, self.critic.optimizer,
-                                  self.critic.state_extra())
+                fsdp.save_sharded(os.path.join(out_dir, CRITIC_DIR), self.critic.module, self.critic.loop.optimizer,
+                                  self.critic.loop.state_extra())
         if "hf_model" in contents:
             self.export_hf(os.path.join(out_dir, ACTOR_DIR, "huggingface"))
 
@@ -228,17 +222,17 @@ class HybridWorker:
         actor = self._need("actor")
         with params_on(actor.module, self.dev, actor.param_offload):
             extra = fsdp.load_sharded(os.path.join(in_dir, ACTOR_DIR), actor.module,
-                                      actor.optimizer if "optimizer" in contents else None)
+                                      actor.loop.optimizer if "optimizer" in contents else None)
         if "extra" in contents:
-            actor.load_extra(extra)
+            actor.loop.load_extra(extra)
             if extra["rng"] is not None:
                 self.dev.set_rng_state(extra["rng"])
             else:  # written by another number of ranks: a fresh stream per (seed, step, rank)
                 self.dev.seed_everything(self.cfg.trainer.seed + RESHARD_SEED_STRIDE * int(extra["step"]) + dist.get_rank())
         if self.critic is not None:
             with params_on(self.critic.module, self.dev, self.critic.param_offload):
-                self.critic.load_extra(fsdp.load_sharded(os.path.join(in_dir, CRITIC_DIR), self.critic.module,
-                                                         self.critic.optimizer))
+                self.critic.loop.load_extra(fsdp.load_sharded(os.path.join(in_dir, CRITIC_DIR), self.critic.module,
+                                                              self.critic.loop.optimizer))
         return int(extra["step"])
 
     def export_hf(self, out_dir: str, dtype: str | None = None) -> None:

@@ -5,7 +5,8 @@ put back in the original row order. Dynamic batch size (``use_dynamic_bsz``) pac
 sum of each micro-batch's token lengths (prompt + response, attention mask) stays within
 ``max_tokens``, balancing the loads (longest-processing-time greedy). Under FSDP every rank must run
 the same number of forward passes, so :func:`token_budget_groups` accepts a ``min_groups`` that the
-caller sets to the maximum over ranks (see ``Actor``'s use of it).
+caller sets to the maximum over ranks: :func:`plan_micro_batches` agrees on it collectively.
+:func:`forward_in_micro_batches` runs a forward-only pass (log-probs, values) over the groups.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from grpo_npu.batch import RolloutBatch
+from grpo_npu.device import Device
+from grpo_npu.workers import fsdp
 
 # RolloutBatch tensors that are (B, P) prompt-side; every other tensor field is (B, T) response-side.
 PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
@@ -97,3 +100,46 @@ def scatter_rows(parts: Sequence[torch.Tensor], groups: Sequence[Sequence[int]],
     for part, rows in zip(parts, groups):
         out[torch.as_tensor(list(rows), dtype=torch.long), : part.shape[1]] = part.to(out.dtype)
     return out
+
+
+def plan_micro_batches(batch: RolloutBatch, *, size: int | None, max_tokens: int | None, dev: Device) -> list[list[int]]:
+    """Row groups for one pass: fixed ``size`` rows, or (``max_tokens`` set) balanced token-budget packing.
+
+    Token-budget packing is collective: every rank gets the same number of groups (the maximum over
+    ranks), because each FSDP forward gathers parameters with all ranks. Ranks hold equal row counts.
+    """
+    n = len(batch)
+    if max_tokens is None:
+        if size is None:
+            raise ValueError("a micro-batch size or a token budget (use_dynamic_bsz) is required")
+        return fixed_groups(n, size)
+    lengths = batch.attention_mask.sum(1).tolist()
+    count = len(token_budget_groups(lengths, max_tokens))
+    while True:  # rarely more than one round: a larger count can need one more group somewhere
+        agreed = int(fsdp.all_reduce(torch.tensor([count], device=dev.torch_device()), "max").item())
+        if agreed > n:
+            raise RuntimeError(f"ranks hold different row counts: {agreed} micro-batches for {n} rows on this rank")
+        groups = token_budget_groups(lengths, max_tokens, min_groups=agreed)
+        count = len(groups)
+        done = fsdp.all_reduce(torch.tensor([int(count == agreed)], device=dev.torch_device()), "min")
+        if int(done.item()) == 1:
+            return groups
+
+
+@torch.no_grad()
+def forward_in_micro_batches(fn: Callable[[RolloutBatch], torch.Tensor | tuple], batch: RolloutBatch, *,
+                             size: int | None, max_tokens: int | None, dev: Device) -> list[torch.Tensor]:
+    """Run ``fn`` on each trimmed micro-batch (planned as :func:`plan_micro_batches`; collective).
+
+    Returns one (B, T) float32 host tensor per output of ``fn``, rows in the batch's order.
+    """
+    if len(batch) == 0:
+        raise ValueError("an empty batch: every rank needs at least one row")
+    groups = plan_micro_batches(batch, size=size, max_tokens=max_tokens, dev=dev)
+    parts: list[list[torch.Tensor]] = []
+    for rows in groups:
+        out = fn(trim_padding(batch.select(rows)))
+        out = out if isinstance(out, tuple) else (out,)
+        parts.append([o.float().cpu() for o in out])
+    width = batch.response_ids.shape[1]
+    return [scatter_rows([p[k] for p in parts], groups, len(batch), width) for k in range(len(parts[0]))]

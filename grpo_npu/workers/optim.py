@@ -14,35 +14,28 @@ from typing import Iterable
 
 import torch
 
+from grpo_npu.config import OptimConfig
 from grpo_npu.workers.names import OPTIM_IMPLS, WARMUP_STYLES
 
 # Devices whose fused AdamW kernel torch itself ships (torch_npu's is not in npu_reference.md: NPU gets foreach).
 FUSED_DEVICES = ("cpu", "cuda")
 
 
-def build_optimizer(
-    params: Iterable[torch.nn.Parameter],
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    impl: str = "auto",
-    device_type: str = "cpu",
-) -> torch.optim.AdamW:
-    """AdamW over ``params`` (sharded DTensors are fine: the update is elementwise).
+def build_optimizer(params: Iterable[torch.nn.Parameter], optim: OptimConfig, *, device_type: str) -> torch.optim.AdamW:
+    """AdamW over ``params`` with the ``*.optim`` settings (sharded DTensors are fine: the update is elementwise).
 
-    impl (``optim.impl``): auto = fused where torch ships the kernel for ``device_type`` (the device the
-    update runs on), else foreach. The fused step reads and writes each parameter, gradient and moment once;
+    ``optim.impl``: auto = fused where torch ships the kernel for ``device_type`` (the device the update
+    runs on), else foreach. The fused step reads and writes each parameter, gradient and moment once;
     torch's CPU default, the per-tensor loop, makes about ten passes (measured 0.2-0.3 s against 0.9-2.4 s per
     step for 494M fp32 parameters on this project's 2-core CPU). All three give the same update up to rounding.
     """
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("build_optimizer: the model has no trainable parameters")
-    impl = resolve_impl(impl, device_type)
+    impl = resolve_impl(optim.impl, device_type)
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
-    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **kwargs)
+    return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                             weight_decay=optim.weight_decay, **kwargs)
 
 
 def optimizer_device(dev, fsdp_cfg) -> str:
@@ -83,29 +76,25 @@ def lr_multiplier(
     raise ValueError(f"optim.warmup_style: unknown value {style!r}; known: {', '.join(WARMUP_STYLES)}")
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer,
-    *,
-    total_steps: int,
-    lr_warmup_steps: int,
-    lr_warmup_steps_ratio: float,
-    warmup_style: str,
-    min_lr_ratio: float,
-    num_cycles: float,
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR stepping once per training step; ``total_steps`` <= 0 is only allowed for constant lr."""
-    if warmup_style not in WARMUP_STYLES:
-        raise ValueError(f"optim.warmup_style: unknown value {warmup_style!r}; known: {', '.join(WARMUP_STYLES)}")
-    if warmup_style == "cosine" and total_steps <= 0:
+def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, *,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR stepping once per training step with the ``*.optim`` schedule.
+
+    The schedule spans ``optim.total_training_steps`` when > 0, else ``total_steps`` (the run's); a
+    span <= 0 is only allowed for a constant lr without a warmup ratio.
+    """
+    span = optim.total_training_steps if optim.total_training_steps > 0 else total_steps
+    style = optim.warmup_style
+    if style not in WARMUP_STYLES:
+        raise ValueError(f"optim.warmup_style: unknown value {style!r}; known: {', '.join(WARMUP_STYLES)}")
+    if style == "cosine" and span <= 0:
         raise ValueError("optim.warmup_style=cosine needs the total number of training steps (optim.total_training_steps)")
-    if lr_warmup_steps < 0 and lr_warmup_steps_ratio > 0 and total_steps <= 0:
+    if optim.lr_warmup_steps < 0 and optim.lr_warmup_steps_ratio > 0 and span <= 0:
         raise ValueError("optim.lr_warmup_steps_ratio > 0 needs the total number of training steps")
-    warmup = warmup_steps(total_steps, lr_warmup_steps, lr_warmup_steps_ratio)
+    warmup = warmup_steps(span, optim.lr_warmup_steps, optim.lr_warmup_steps_ratio)
 
     def multiplier(step: int) -> float:
-        return lr_multiplier(
-            step, total_steps=total_steps, warmup=warmup, style=warmup_style, min_lr_ratio=min_lr_ratio,
-            num_cycles=num_cycles,
-        )
+        return lr_multiplier(step, total_steps=span, warmup=warmup, style=style, min_lr_ratio=optim.min_lr_ratio,
+                             num_cycles=optim.num_cycles)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)

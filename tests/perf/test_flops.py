@@ -84,7 +84,7 @@ def test_forward_matches_flop_counter(family):
 def test_forward_backward_matches_flop_counter(family, checkpointing):
     model, shape = tiny_model(family)
     model.train()  # HF checkpoints layers only in training mode
-    if checkpointing:  # as the trainer does it (workers/actor.py)
+    if checkpointing:  # as the trainer does it (workers/response_model.py)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = prompts(LENGTHS)
 

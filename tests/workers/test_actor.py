@@ -77,9 +77,9 @@ def _ppo_batch(model_path, seed=0):
 
 def _actor_grads(worker, batch) -> dict[str, torch.Tensor]:
     worker.actor.module.train()
-    worker.actor.backward_mini_batch(batch)
+    worker.actor.loop.backward_mini_batch(batch, worker.actor.micro_loss)
     grads = {n: p.grad.full_tensor().clone() for n, p in worker.actor.module.hf.named_parameters()}
-    worker.actor.optimizer.zero_grad(set_to_none=True)
+    worker.actor.loop.optimizer.zero_grad(set_to_none=True)
     return grads
 
 
@@ -176,8 +176,8 @@ def test_non_finite_gradient_skips_the_step(tiny_model_path):
     metrics = worker.update_actor(batch.replace(advantages=advantages))
     assert metrics["actor/skipped_steps"] == 1 and math.isnan(metrics["actor/grad_norm"])
     assert max_abs_diff(full_weights(worker.actor.module.hf), before) == 0.0
-    assert all(p.grad is None for p in worker.actor.params)
-    assert not worker.actor.optimizer.state  # Adam moments were never touched
+    assert all(p.grad is None for p in worker.actor.loop.params)
+    assert not worker.actor.loop.optimizer.state  # Adam moments were never touched
     metrics = worker.update_actor(batch)  # the next finite step trains normally
     assert metrics["actor/skipped_steps"] == 0 and math.isfinite(metrics["actor/grad_norm"])
     assert max_abs_diff(full_weights(worker.actor.module.hf), before) > 1e-4
@@ -244,7 +244,7 @@ def test_on_policy_update_reuses_its_forward_as_old_log_probs(tiny_model_path):
                                       "actor_rollout_ref.actor.use_kl_loss=True",
                                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                                       "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3"))
-        assert worker.derived.reuse_update_log_prob == (mode == "auto")
+        assert worker.derived.old_logp_from_update == (mode == "auto")
         if mode == "recompute":
             with pytest.raises(ValueError, match="needs old_logp"):
                 worker.update_actor(batch)
@@ -300,7 +300,7 @@ def test_checkpoint_resume_equals_uninterrupted(tiny_model_path, tmp_path):
     assert m_b["actor/lr"] == m_a["actor/lr"] > 0  # the scheduler resumed after its warmup step
     assert m_b["actor/pg_loss"] == m_a["actor/pg_loss"]
     assert max_abs_diff(full_weights(a.actor.module.hf), full_weights(b.actor.module.hf)) == 0.0
-    assert len(a.actor.optimizer.state) == len(b.actor.optimizer.state) > 0
+    assert len(a.actor.loop.optimizer.state) == len(b.actor.loop.optimizer.state) > 0
     with pytest.raises(FileNotFoundError, match="no dcp"):
         b.load_checkpoint(str(tmp_path / "missing"))
 
@@ -379,7 +379,7 @@ def _shared_prompt_batch(seed: int):
 
 def test_shared_prompt_packing_layout():
     """Each distinct prompt is packed once; every response follows its prompt with positions continuing from it."""
-    from grpo_npu.workers.actor import build_inputs
+    from grpo_npu.workers.model_inputs import build_inputs
 
     batch = _shared_prompt_batch(seed=10)
     inputs = build_inputs(batch, remove_padding=False, share_prefix=True)

@@ -7,13 +7,15 @@ import math
 import pytest
 import torch
 
+from grpo_npu.config import OptimConfig
 from grpo_npu.workers.optim import build_optimizer, build_scheduler, lr_multiplier, resolve_impl, warmup_steps
 
 
-def _lrs(steps: int, **kwargs) -> list[float]:
+def _lrs(steps: int, total_steps: int, **kwargs) -> list[float]:
     p = torch.nn.Parameter(torch.zeros(1))
-    opt = build_optimizer([p], lr=2.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    sched = build_scheduler(opt, **kwargs)
+    cfg = OptimConfig(lr=2.0, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0, **kwargs)
+    opt = build_optimizer([p], cfg, device_type="cpu")
+    sched = build_scheduler(opt, cfg, total_steps=total_steps)
     out = []
     for _ in range(steps):
         out.append(opt.param_groups[0]["lr"])
@@ -54,13 +56,20 @@ def test_schedule_errors():
     with pytest.raises(ValueError, match="warmup_style"):
         lr_multiplier(5, total_steps=10, warmup=0, style="linear", min_lr_ratio=0.0, num_cycles=0.5)
     p = torch.nn.Parameter(torch.zeros(1))
-    opt = build_optimizer([p], lr=1.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    cfg = OptimConfig(lr=1.0, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0)
+    opt = build_optimizer([p], cfg, device_type="cpu")
     with pytest.raises(ValueError, match="total number of training steps"):
-        build_scheduler(opt, total_steps=-1, lr_warmup_steps=0, lr_warmup_steps_ratio=0.0, warmup_style="cosine",
-                        min_lr_ratio=0.0, num_cycles=0.5)
+        build_scheduler(opt, OptimConfig(lr_warmup_steps=0, lr_warmup_steps_ratio=0.0, warmup_style="cosine",
+                                    min_lr_ratio=0.0, num_cycles=0.5), total_steps=-1)
     with pytest.raises(ValueError, match="no trainable parameters"):
-        build_optimizer([torch.nn.Parameter(torch.zeros(1), requires_grad=False)], lr=1.0, betas=(0.9, 0.999),
-                        eps=1e-8, weight_decay=0.0)
+        build_optimizer([torch.nn.Parameter(torch.zeros(1), requires_grad=False)], cfg, device_type="cpu")
+
+
+def test_optim_total_training_steps_overrides_the_runs_total():
+    kwargs = dict(lr_warmup_steps=0, warmup_style="cosine", min_lr_ratio=0.0, num_cycles=0.5)
+    lrs = _lrs(5, total_steps=-1, total_training_steps=4, **kwargs)  # the run's total is unknown, optim's is 4
+    assert lrs == pytest.approx(_lrs(5, total_steps=4, **kwargs))
+    assert lrs[-1] == pytest.approx(0.0)
 
 
 def _adamw_reference(p0: torch.Tensor, grads: list[torch.Tensor], *, lr: float, betas, eps: float, wd: float):
@@ -83,7 +92,8 @@ def test_every_impl_matches_written_out_adamw(impl):
     init = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) * 10 ** -k for s in shapes] for k in range(4)]  # shrinking gradients
     params = [torch.nn.Parameter(x.clone()) for x in init]
-    opt = build_optimizer(params, lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, impl=impl, device_type="cpu")
+    opt = build_optimizer(params, OptimConfig(lr=0.05, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.1, impl=impl),
+                          device_type="cpu")
     assert bool(opt.defaults["fused"]) is (impl in ("auto", "fused"))
     assert bool(opt.defaults["foreach"]) is (impl == "foreach")
     for step in grads:

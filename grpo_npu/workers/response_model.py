@@ -1,0 +1,144 @@
+"""Sharded response models: an HF model whose forward returns one output per valid response token.
+
+Shapes: b rows, T response tokens, H hidden, V vocabulary, N = valid response tokens of a micro-batch
+(see :mod:`grpo_npu.workers.model_inputs`). :class:`CausalLMLogProbs` sends only the N hidden states
+that predict response tokens through the lm_head, and :func:`grpo_npu.ops.linear_logprobs` forms
+their logits chunk by chunk: no (N, V) fp32 log-softmax and no (b, L, V) logits exist. The critic's
+value head (:class:`grpo_npu.workers.critic.ValueHead`) is the other :class:`ResponseModel`.
+:func:`build_sharded` loads, patches and shards either kind with FSDP2.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import register_fsdp_forward_method
+
+from grpo_npu.config import FSDPConfig, ModelConfig
+from grpo_npu.device import Device
+from grpo_npu.ops import PATCHABLE_OPS, linear_logprobs, patch_model
+from grpo_npu.workers import fsdp
+from grpo_npu.workers.model_inputs import ModelInputs, scatter_valid
+
+log = logging.getLogger(__name__)
+
+
+class ResponseModel(nn.Module):
+    """An HF model whose forward returns per-response-token outputs; the FSDP2 root wraps this module.
+
+    Calling the backbone and the head from ONE forward keeps FSDP's root hooks in charge: the root
+    parameters (embeddings, final norm, lm_head / value head, tied or not) are gathered for the pass
+    and their gradients reduce-scattered in backward.
+    """
+
+    onednn_linear = False  # build_sharded: the linear op is patched in, so the LM head's products go through it too
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+
+    def hidden_at_predictions(self, inputs: ModelInputs) -> torch.Tensor:
+        """(N, H) hidden states at the positions that predict each valid response token."""
+        out = self.hf.model(
+            input_ids=inputs.input_ids,
+            attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids,
+            use_cache=False,
+            **inputs.packed_kwargs,
+        )
+        hidden = out.last_hidden_state  # (b, L, H) | (1, n_tokens, H)
+        return hidden.reshape(-1, hidden.shape[-1])[inputs.predict_index]
+
+
+class CausalLMLogProbs(ResponseModel):
+    """forward -> (logp (b, T) fp32, entropy (b, T) fp32 or None) of the response tokens."""
+
+    def forward(self, inputs: ModelInputs, temperature: float, with_entropy: bool):
+        h = self.hidden_at_predictions(inputs)  # (N, H)
+        weight = self.hf.get_output_embeddings().weight  # (V, H), gathered by the root's FSDP hook
+        out = linear_logprobs(h, weight.to(h.dtype), inputs.labels, temperature=temperature, with_entropy=with_entropy,
+                              onednn=self.onednn_linear)
+        logp, entropy = out if with_entropy else (out, None)
+        valid = inputs.response_valid
+        return scatter_valid(logp, valid), (scatter_valid(entropy, valid) if with_entropy else None)
+
+    def generate(self, *args, **kwargs):
+        """transformers ``generate`` of the wrapped model (an FSDP forward method: the root is gathered).
+
+        With several ranks every decoding step is a collective (each layer gathers its shards), so all
+        ranks keep stepping until the last one is done (``synced_gpus``). The layers are gathered once for
+        the whole call rather than once per token.
+        """
+        kwargs.setdefault("synced_gpus", dist.is_initialized() and dist.get_world_size() > 1)
+        with fsdp.gathered(self):
+            return self.hf.generate(*args, **kwargs)
+
+
+def build_sharded(
+    wrapper_cls: type[ResponseModel],
+    *,
+    path: str,
+    override_config: dict,
+    trust_remote_code: bool,
+    fsdp_cfg: FSDPConfig,
+    dev: Device,
+    compute_dtype: torch.dtype,
+    trainable: bool,
+    gradient_checkpointing: bool,
+    fused_kernels: bool,
+    value_head: bool = False,
+    seed: int = 0,
+    shared_prefix: bool = False,
+    onednn_linear: bool = False,
+) -> ResponseModel:
+    """Load (rank 0 reads, others meta), patch, checkpoint, wrap and shard an HF model; weights from rank 0."""
+    master_dtype = fsdp.resolve_dtype(fsdp_cfg.model_dtype, dev) if trainable else compute_dtype
+    config = fsdp.load_hf_config(path, override_config, trust_remote_code=trust_remote_code,
+                                 num_labels=1 if value_head else None)
+    torch.manual_seed(seed)  # a freshly initialised value head is the same wherever it is built
+    hf_model = fsdp.load_hf_model(path, config, dtype=master_dtype, value_head=value_head,
+                                  trust_remote_code=trust_remote_code)
+    # Shared-prompt packing needs the grpo_npu attention (kv_index) even without the other fused ops;
+    # model.use_onednn_linear routes the linear layers alone through grpo_npu.ops.linear.
+    wanted = {"linear": onednn_linear, "attention": shared_prefix}
+    patch_ops = PATCHABLE_OPS if fused_kernels else tuple(op for op in PATCHABLE_OPS if wanted.get(op))
+    if patch_ops:
+        log.info("patched ops: %s", patch_model(hf_model, ops=patch_ops))
+    if gradient_checkpointing:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_model.requires_grad_(trainable)
+    full_state = hf_model.state_dict() if dist.get_rank() == 0 and dist.get_world_size() > 1 else {}
+    wrapper = wrapper_cls(hf_model)
+    wrapper.onednn_linear = "linear" in patch_ops
+    mesh = fsdp.build_mesh(dev, fsdp_cfg.fsdp_size)
+    cpu_offload = fsdp_cfg.offload_policy and dev.is_accelerator
+    fsdp.shard_model(
+        wrapper, fsdp.decoder_layers(hf_model), mesh,
+        param_dtype=compute_dtype, master_dtype=master_dtype,
+        reduce_dtype=fsdp.resolve_dtype(fsdp_cfg.mixed_precision.reduce_dtype, dev),
+        cpu_offload=cpu_offload, reshard_after_forward=fsdp_cfg.reshard_after_forward,
+        forward_prefetch=fsdp_cfg.forward_prefetch,
+    )
+    if hasattr(wrapper, "generate"):
+        register_fsdp_forward_method(wrapper, "generate")
+    fsdp.load_full_state_dict(wrapper, {"hf." + k: v for k, v in full_state.items()}, dev.torch_device(),
+                              cpu_offload=cpu_offload)
+    del full_state
+    return wrapper
+
+
+def compute_dtype_of(model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, dev: Device) -> torch.dtype:
+    """FSDP compute dtype: mixed_precision.param_dtype, else model.dtype, else the device default."""
+    name = fsdp_cfg.mixed_precision.param_dtype
+    if name == "auto":
+        name = model_cfg.dtype
+    return fsdp.resolve_dtype(name, dev)
+
+
+def fused_kernels_on(model_cfg: ModelConfig, dev: Device) -> bool:
+    """model.use_fused_kernels, where None means on for NPU and off elsewhere."""
+    return model_cfg.use_fused_kernels if model_cfg.use_fused_kernels is not None else dev.kind == "npu"
+
