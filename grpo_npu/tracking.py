@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from grpo_npu.io import JsonlAppender, write_atomic
 from grpo_npu.metrics import scalar_value
-from grpo_npu.tools import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -195,32 +195,20 @@ class JsonlSink(Sink):
 
     def __init__(self, info: RunInfo) -> None:
         self.path = info.run_dir / METRICS_FILE
-        self._drop_torn_tail()
-        self._file = open(self.path, "a", encoding="utf-8")
-
-    def _drop_torn_tail(self) -> None:
-        """A run killed mid-write can leave a last line without its newline: cut it off."""
-        if not self.path.is_file():
-            return
-        data = self.path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            write_atomic(self.path, data[: data.rfind(b"\n") + 1])
+        self._file = JsonlAppender(self.path)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self._file.write(json.dumps({STEP_KEY: step, **metrics}) + "\n")  # one write per line
-        self._file.flush()
+        self._file.append({STEP_KEY: step, **metrics})
 
     def truncate_after(self, step: int) -> None:
         self._file.close()
         if self.path.is_file():
             rows, _ = _parse_lines(self.path.read_text(encoding="utf-8"), self.path)
-            kept = "".join(line + "\n" for s, _, line in rows if s <= step)
-            write_atomic(self.path, kept.encode("utf-8"))
-        self._file = open(self.path, "a", encoding="utf-8")
+            write_atomic(self.path, "".join(line + "\n" for s, _, line in rows if s <= step))
+        self._file = JsonlAppender(self.path)
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        self._file.close()
 
 
 @register_sink("tensorboard")

@@ -29,13 +29,13 @@ from grpo_npu.data.rl_dataset import PromptBatch, PromptLoader, RLDataset
 from grpo_npu.device import get_device
 from grpo_npu.errors import StoppedBySignal, TrainingStopped
 from grpo_npu.input_checks import check_inputs
+from grpo_npu.io import write_atomic
 from grpo_npu.rundir import RunDirLock
 from grpo_npu.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics
 from grpo_npu.reward.manager import get_reward_manager
 from grpo_npu.reward.score import make_compute_score
 from grpo_npu.rollout import training_sampling, validation_sampling
 from grpo_npu.rollout.base import SamplingConfig
-from grpo_npu.tools import write_atomic
 from grpo_npu.tracking import Tracker
 
 log = logging.getLogger(__name__)

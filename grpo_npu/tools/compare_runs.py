@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from grpo_npu.tools import write_atomic
+from grpo_npu.io import write_atomic
 
 RUN_FILE = "metrics.jsonl"
 STEP_KEY = "step"

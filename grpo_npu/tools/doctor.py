@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from grpo_npu.cli import CPU_MALLOC_ENV, PROCESS_ENV_DEFAULTS
-from grpo_npu.tools import write_atomic
+from grpo_npu.io import write_atomic
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 STATUSES = (OK, WARN, FAIL)
