@@ -32,6 +32,7 @@ from grpo_npu.input_checks import check_inputs
 from grpo_npu.io import write_atomic
 from grpo_npu.rundir import RunDirLock
 from grpo_npu.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics
+from grpo_npu.preflight import log_checks, run_checks
 from grpo_npu.reward.manager import get_reward_manager
 from grpo_npu.reward.score import make_compute_score
 from grpo_npu.rollout import training_sampling, validation_sampling
@@ -499,8 +500,6 @@ class Trainer:
             _write_jsonl(Path(self.cfg.trainer.rollout_data_dir) / f"{step}.jsonl", self._samples(batch, len(batch)))
 
     def _log_doctor(self) -> None:
-        from grpo_npu.tools.doctor import log_checks, run_checks
-
         rollout = self.cfg.actor_rollout_ref.rollout
         log_checks(run_checks(sleep_mode=rollout.name == "vllm" and rollout.enable_sleep_mode), log)
 
