@@ -21,7 +21,8 @@ PACKAGE_DIR = Path(grpo_npu.__file__).parent
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("errors", "io", "env"),  # standard library only
     ("device", "batch", "config"),
-    ("algo", "ops", "data", "reward", "models", "metrics", "checkpoint", "installation", "preflight", "tracking"),
+    ("algo", "ops", "data", "reward", "models", "metrics", "checkpoint", "rundir", "input_checks", "installation",
+     "preflight", "tracking"),
     ("rollout", "workers"),
     ("trainer", "cluster", "sft"),
     ("main_ppo", "main_sft", "cli", "default_job", "doctor", "tools"),
