@@ -174,12 +174,6 @@ class HybridWorker:
             fsdp.reshard_all(actor.module)
         return out
 
-    def sync_rollout_weights(self) -> None:
-        """Stream the actor's weights into the rollout now (generate() does it on every call anyway)."""
-        actor, rollout = self._need("actor"), self._need("rollout")
-        with params_on(actor.module, self.dev, actor.param_offload):
-            rollout.update_weights(self.rollout_weights())
-
     # -- log-probs and values -----------------------------------------------------------------------
     def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """Old-policy log-probs (B, T) of this rank's rows and the ``actor/entropy`` metric."""
