@@ -1,6 +1,7 @@
 """Rule rewards chosen by data_source, the custom-function hook, and reward managers (naive, dapo).
 
-The scorers import no torch (pool workers load only them); the managers are imported on first use.
+The scorers import no torch (pool workers load only them), so the package exports only them; the
+managers (torch) are :mod:`grpo_npu.reward.manager`.
 """
 
 from grpo_npu.reward.custom import FileFunction, load_function
@@ -13,18 +14,7 @@ from grpo_npu.reward.score import (
     register_scorer,
 )
 
-_MANAGER_NAMES = ("REWARD_MANAGERS", "DAPORewardManager", "NaiveRewardManager", "RewardOutput", "get_reward_manager")
-
-
-def __getattr__(name: str):
-    if name in _MANAGER_NAMES:
-        from grpo_npu.reward import manager
-
-        return getattr(manager, name)
-    raise AttributeError(f"module 'grpo_npu.reward' has no attribute {name!r}")
-
-
 __all__ = [
     "FileFunction", "RewardFunctionError", "SYNTHETIC_DATA_SOURCE", "Scorer", "compute_score", "known_data_sources",
-    "load_function", "make_compute_score", "register_scorer", *_MANAGER_NAMES,
+    "load_function", "make_compute_score", "register_scorer",
 ]
