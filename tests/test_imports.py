@@ -1,8 +1,9 @@
 """The package's import graph: no circle, and no module importing from a higher floor.
 
 The graph is read from the source (ast), every ``import`` and ``from ... import`` of a grpo_npu
-module counted wherever it stands, function bodies included. A package ``__init__`` is its own node;
-importing ``a.b`` is an edge to ``a.b`` (the package ``a`` that Python also runs is not counted).
+module counted wherever it stands, function bodies included, and ``importlib.import_module`` of a
+literal name. A package ``__init__`` is its own node; importing ``a.b`` is an edge to ``a.b`` (the
+package ``a`` that Python also runs is not counted).
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
             for alias in node.names:  # "from pkg import mod" imports a module, else a name of pkg
                 sub = f"{source}.{alias.name}"
                 targets.add(sub if sub in known else source)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            targets.add(node.args[0].value)
     return {t for t in targets if t in known and t != name}
 
 
@@ -125,6 +130,8 @@ def test_find_cycle_finds_what_is_there(graph, expected):
 
 def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
     source = tmp_path / "mod.py"
-    source.write_text("def f():\n    from grpo_npu import device\n    from .sibling import x\n")
-    known = {"grpo_npu.device", "grpo_npu.pkg.sibling", "grpo_npu.pkg.mod"}
-    assert imported_modules("grpo_npu.pkg.mod", source, known) == {"grpo_npu.device", "grpo_npu.pkg.sibling"}
+    source.write_text("import importlib\n\ndef f():\n    from grpo_npu import device\n    from .sibling import x\n"
+                      "    return importlib.import_module('grpo_npu.batch')\n")
+    known = {"grpo_npu.device", "grpo_npu.pkg.sibling", "grpo_npu.pkg.mod", "grpo_npu.batch"}
+    assert imported_modules("grpo_npu.pkg.mod", source, known) == {"grpo_npu.device", "grpo_npu.pkg.sibling",
+                                                                   "grpo_npu.batch"}
