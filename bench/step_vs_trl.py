@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.common import BenchResult, bench_main
-from grpo_npu.cli import CPU_MALLOC_ENV, PROCESS_ENV_DEFAULTS, apply_process_env_defaults, cpu_malloc_defaults
+from grpo_npu.env import CPU_MALLOC_ENV, PROCESS_ENV_DEFAULTS, apply_process_env_defaults, cpu_malloc_defaults
 
 TARGET_SPEEDUP = 2.0
 # One intra-op thread by default: on a shared 2-core machine a parallel region stalls whenever another
@@ -382,8 +382,8 @@ def process_env(device: str) -> dict[str, str]:
 def run_side(side: str, work: Workload, inputs: dict, root: Path, trl_env_defaults: bool = False) -> dict:
     """Run one side in a fresh Python process and return its measurements; raise if it fails.
 
-    grpo_npu's sides get the process environment its entry points set (``cli.PROCESS_ENV_DEFAULTS``, and on CPU
-    ``cli.CPU_MALLOC_ENV``); TRL's gets the caller's environment as it is, unless ``trl_env_defaults``.
+    grpo_npu's sides get the process environment its entry points set (``env.PROCESS_ENV_DEFAULTS``, and on CPU
+    ``env.CPU_MALLOC_ENV``); TRL's gets the caller's environment as it is, unless ``trl_env_defaults``.
     """
     out = root / side
     out.mkdir(parents=True, exist_ok=True)

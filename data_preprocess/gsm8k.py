@@ -24,7 +24,8 @@ try:
 except ImportError:  # run from a checkout without installing: the repository root holds the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpo_npu.data.schema import GSM8K_DATA_SOURCE, extract_ground_truth, make_row, write_parquet_atomic
+from grpo_npu.data.parquet import write_parquet_atomic
+from grpo_npu.data.schema import GSM8K_DATA_SOURCE, extract_ground_truth, make_row
 
 HUB_DATASET = ("openai/gsm8k", "main")
 SPLITS = ("train", "test")

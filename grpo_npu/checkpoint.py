@@ -12,8 +12,8 @@ Protocol. The driver calls :meth:`CheckpointManager.begin` for a temporary direc
 (``.tmp_global_step_N_<pid>``, invisible to discovery), every rank writes its shards into it
 (a shared filesystem across nodes), then the driver alone calls :meth:`CheckpointManager.commit`:
 write ``COMPLETE``, fsync everything, rename to ``global_step_N`` (replacing a leftover of an
-earlier run safely), fsync the root, write the latest file through a temp file + ``os.replace``,
-then delete the oldest checkpoints beyond ``max_to_keep``. A process killed at any point leaves
+earlier run safely), fsync the root, write the latest file through a temp file + ``os.replace``
+(:func:`grpo_npu.io.commit_dir`, :func:`grpo_npu.io.write_atomic`), then delete the oldest checkpoints beyond ``max_to_keep``. A process killed at any point leaves
 either the previous state or the new one, never a checkpoint that discovery would pick but that
 is half written. Saving the shards themselves is the workers' job; this module only manages the
 directories.
@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from grpo_npu.errors import UserError
+from grpo_npu.io import commit_dir, write_atomic
 from grpo_npu.names import RESUME_MODES
 
 logger = logging.getLogger(__name__)
@@ -118,43 +119,6 @@ def is_complete(path: str | os.PathLike) -> bool:
     return (Path(path) / COMPLETE_MARKER).is_file()
 
 
-def _fsync_path(path: Path) -> None:
-    """fsync a file or a directory (directories: best effort, not every filesystem allows it)."""
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if path.is_dir() else os.O_RDONLY
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync every file under ``root``, then every directory, bottom-up."""
-    for dirpath, _, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            _fsync_path(Path(dirpath) / name)
-        _fsync_path(Path(dirpath))
-
-
-def _write_durable(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically and durably: temp file, fsync, os.replace, fsync folder."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_path(path.parent)
-
-
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -217,18 +181,10 @@ class CheckpointManager:
             raise ValueError(f"checkpoint temp directory {tmp} is not inside {self.root}")
         marker = {"step": step, "time": time.time(), "pid": os.getpid(), "files": manifest_of(tmp)}
         (tmp / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
-        _fsync_tree(tmp)
-
         final = self.step_dir(step)
-        trash = None
-        if final.exists():  # a leftover of an earlier run at this step: move aside, then delete
-            trash = self.root / f"{TRASH_PREFIX}{step}_{os.getpid()}"
-            if trash.exists():
-                shutil.rmtree(trash)
-            os.replace(final, trash)
-        os.replace(tmp, final)
-        _fsync_path(self.root)
-        _write_durable(self.latest_file, f"{step}\n")
+        # A leftover of an earlier run at this step is moved aside, and deleted once the latest file moved.
+        trash = commit_dir(tmp, final, trash=self.root / f"{TRASH_PREFIX}{step}_{os.getpid()}")
+        write_atomic(self.latest_file, f"{step}\n")
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         self._apply_retention(step)

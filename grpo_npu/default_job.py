@@ -25,7 +25,13 @@ import os
 import shutil
 from pathlib import Path
 
+from grpo_npu.config import load_config
+from grpo_npu.data.parquet import write_parquet_atomic
+from grpo_npu.data.schema import GSM8K_DATA_SOURCE
+from grpo_npu.data.synthetic import make_problems, rl_rows, sft_rows
+from grpo_npu.io import commit_dir
 from grpo_npu.models.tiny import build_tiny_model, default_cache_dir
+from grpo_npu.sft import run_sft
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +80,7 @@ def grpo_overrides(model: str, data: Path, run_dir: Path, rollout: str) -> list[
 
 def _vllm_available() -> bool:
     try:
-        import vllm  # noqa: F401
+        import vllm  # noqa: F401 - optional dependency, probed here
     except Exception:  # noqa: BLE001 - any import failure means: use the transformers rollout
         return False
     return True
@@ -82,8 +88,6 @@ def _vllm_available() -> bool:
 
 def write_task(out: Path) -> None:
     """Train, SFT and validation draws of the same distribution (see the module docstring)."""
-    from grpo_npu.data.schema import GSM8K_DATA_SOURCE, write_parquet_atomic
-    from grpo_npu.data.synthetic import make_problems, rl_rows, sft_rows
 
     def draw(n: int, stream: str):
         return make_problems(n, DIFFICULTY, seed=0, stream=stream)
@@ -105,9 +109,6 @@ def prepare(cache_dir: str | os.PathLike | None = None, rollout: str | None = No
     stamp = json.dumps({"base": str(base), "steps": SFT_STEPS, "overrides": SFT_OVERRIDES, "difficulty": DIFFICULTY})
     if not (sft / "SFT_DONE").exists() or (sft / "SFT_DONE").read_text() != stamp:
         log.info("default job: SFT warm start of the tiny model (first run only, about a minute)")
-        from grpo_npu.config import load_config
-        from grpo_npu.sft import run_sft
-
         shutil.rmtree(sft, ignore_errors=True)
         cfg = load_config(SFT_OVERRIDES + [f"actor_rollout_ref.model.path={base}",
                                            f"data.train_files={data / 'sft_train.parquet'}",
@@ -116,6 +117,6 @@ def prepare(cache_dir: str | os.PathLike | None = None, rollout: str | None = No
         shutil.rmtree(tmp, ignore_errors=True)
         run_sft(cfg, export_dir=str(tmp))
         (tmp / "SFT_DONE").write_text(stamp)
-        os.replace(tmp, sft)
+        commit_dir(tmp, sft)
     run_dir = Path(os.environ.get("GRPO_NPU_DEFAULT_RUN_DIR") or root / "runs" / "tiny_grpo")
     return grpo_overrides(str(sft), data, run_dir, rollout or ("vllm" if _vllm_available() else "hf"))

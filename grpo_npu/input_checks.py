@@ -15,7 +15,10 @@ import json
 import os
 from pathlib import Path
 
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
 from grpo_npu.errors import UserError
+from grpo_npu.reward.custom import load_function
 
 # Files of which at least one makes a directory hold a tokenizer transformers can load.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -44,8 +47,6 @@ def check_model_dir(key: str, path: str, *, need_tokenizer: bool = True) -> None
         raise UserError(f"{key}={path}: config.json is not valid JSON ({exc})") from None
     if not model_type:
         raise UserError(f"{key}={path}: config.json has no model_type; expected a transformers model config")
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(f"{key}={path}: model_type {model_type!r} is not a causal language model transformers "
                         f"knows (e.g. qwen2, qwen3, llama); grpo_npu trains decoder-only causal LMs")
@@ -80,8 +81,6 @@ def check_reward_function(path: str | None, name: str) -> None:
     """The custom reward file imports and defines ``name``, callable with verl's keyword arguments."""
     if not path:
         return
-    from grpo_npu.reward.custom import load_function
-
     try:
         fn = load_function(path, name)
     except (OSError, ImportError, AttributeError) as exc:

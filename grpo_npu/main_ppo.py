@@ -11,11 +11,14 @@ import os
 import shlex
 import sys
 
-from grpo_npu.cli import apply_device_defaults, apply_process_env_defaults, exit_code, setup_logging
+from grpo_npu.cli import apply_device_defaults, exit_code, setup_logging
 from grpo_npu.config import config_from_argv
+from grpo_npu.env import apply_process_env_defaults
 
 
 def train(argv: list[str]) -> None:
+    # default_job and trainer import torch: imported here, after main() applied the process-environment
+    # defaults that torch reads when it starts (and, for the trainer, after apply_device_defaults).
     if not argv:
         from grpo_npu import default_job
 
@@ -23,7 +26,7 @@ def train(argv: list[str]) -> None:
     cfg, _ = config_from_argv(argv)
     if cfg is None:  # --help or --cfg
         return
-    apply_device_defaults(cfg.trainer.device)  # CPU runs keep freed host memory (cli.CPU_MALLOC_ENV)
+    apply_device_defaults(cfg.trainer.device)  # CPU runs keep freed host memory (env.CPU_MALLOC_ENV)
     from grpo_npu.trainer import Trainer
 
     run_dir = os.path.abspath(os.path.expanduser(cfg.trainer.default_local_dir))

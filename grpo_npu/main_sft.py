@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import sys
 
-from grpo_npu.cli import apply_device_defaults, apply_process_env_defaults, exit_code, setup_logging
+from grpo_npu.cli import apply_device_defaults, exit_code, setup_logging
 from grpo_npu.config import config_from_argv
+from grpo_npu.env import apply_process_env_defaults
 
 # SFT has no rollout and no critic: one response per prompt, the policy alone.
 SFT_DEFAULTS = ["actor_rollout_ref.rollout.n=1", "critic.enable=False"]
@@ -24,8 +25,8 @@ def sft(argv: list[str]) -> None:
     cfg, _ = config_from_argv(SFT_DEFAULTS + [a for a in argv if not a.startswith("export_dir=")])
     if cfg is None:
         return
-    apply_device_defaults(cfg.trainer.device)  # CPU runs keep freed host memory (cli.CPU_MALLOC_ENV)
-    from grpo_npu.sft import run_sft
+    apply_device_defaults(cfg.trainer.device)  # CPU runs keep freed host memory (env.CPU_MALLOC_ENV)
+    from grpo_npu.sft import run_sft  # imports torch: only after the process settings above
 
     run_sft(cfg, export_dir=export[-1] if export else None)
 

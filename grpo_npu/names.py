@@ -1,4 +1,4 @@
-"""The names the top-level modules accept (device.py, tracking.py, checkpoint.py), declared once and torch-free.
+"""The names the top-level modules accept (device.py, tracking/, checkpoint.py), declared once and torch-free.
 
 Each subpackage declares its own in its ``names.py`` (algo, data, reward, rollout, workers). The
 config validates against these tuples and ``--help`` lists them before torch is imported (the entry
@@ -9,7 +9,7 @@ modules that act on them.
 # trainer.device: device.resolve_kind resolves auto to npu > cuda > cpu
 DEVICE_KINDS = ("npu", "cuda", "cpu")
 DEVICE_CHOICES = ("auto",) + DEVICE_KINDS
-# trainer.logger: the metric sinks tracking.SINKS registers
+# trainer.logger: the metric sinks tracking.sinks.SINKS registers
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 # trainer.resume_mode: checkpoint.CheckpointManager.resolve_resume
 RESUME_MODES = ("auto", "disable", "resume_path")

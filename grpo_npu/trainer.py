@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from transformers import AutoTokenizer
 
 from grpo_npu import config as C
 from grpo_npu.algo.advantages import compute_advantage
@@ -25,18 +26,20 @@ from grpo_npu.algo.dapo import filter_groups
 from grpo_npu.algo.kl import apply_kl_in_reward, make_kl_controller
 from grpo_npu.batch import RolloutBatch, pad_right
 from grpo_npu.checkpoint import CheckpointManager, load_state_file
+from grpo_npu.cluster import Workers
 from grpo_npu.data.rl_dataset import PromptBatch, PromptLoader, RLDataset
 from grpo_npu.device import get_device
 from grpo_npu.errors import StoppedBySignal, TrainingStopped
 from grpo_npu.input_checks import check_inputs
-from grpo_npu.rundir import RunDirLock, prepare_fresh_start
+from grpo_npu.io import write_atomic
 from grpo_npu.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics
+from grpo_npu.preflight import log_checks, run_checks
 from grpo_npu.reward.manager import get_reward_manager
 from grpo_npu.reward.sandbox import SandboxSettings
 from grpo_npu.reward.score import make_compute_score
-from grpo_npu.rollout import training_sampling, validation_sampling
+from grpo_npu.rollout import logp_diff_metrics, training_sampling, validation_sampling
 from grpo_npu.rollout.base import SamplingConfig
-from grpo_npu.tools import write_atomic
+from grpo_npu.rundir import RunDirLock, prepare_fresh_start
 from grpo_npu.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -94,8 +97,6 @@ class StopRequest:
 
 
 def load_tokenizer(cfg: C.Config):
-    from transformers import AutoTokenizer
-
     model = cfg.actor_rollout_ref.model
     path = cfg.data.tokenizer or model.tokenizer_path or model.path
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.data.trust_remote_code or model.trust_remote_code)
@@ -124,8 +125,6 @@ class Trainer:
     """GRPO / DAPO / PPO (and RLOO, REINFORCE++, Dr.GRPO, GSPO through the registries)."""
 
     def __init__(self, cfg: C.Config, workers=None) -> None:
-        from grpo_npu.cluster import Workers
-
         self.cfg = cfg
         t = cfg.trainer
         self.device = get_device(t.device)
@@ -356,8 +355,6 @@ class Trainer:
             with timer("update_actor"):
                 metrics.update(self.workers.update_actor(batch))
         if batch.rollout_logp is not None and not self.old_logp_from_update(step):  # else the update reported them
-            from grpo_npu.rollout import logp_diff_metrics
-
             metrics.update({k: float(v) for k, v in
                             logp_diff_metrics(batch.rollout_logp, batch.old_logp, batch.response_mask).items()})
         return metrics
@@ -507,8 +504,6 @@ class Trainer:
             _write_jsonl(Path(self.cfg.trainer.rollout_data_dir) / f"{step}.jsonl", self._samples(batch, len(batch)))
 
     def _log_doctor(self) -> None:
-        from grpo_npu.tools.doctor import log_checks, run_checks
-
         rollout = self.cfg.actor_rollout_ref.rollout
         log_checks(run_checks(sleep_mode=rollout.name == "vllm" and rollout.enable_sleep_mode), log)
 

@@ -16,11 +16,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(autouse=True)
 def _no_process_malloc_changes(monkeypatch):
     """Entry points called in-process would switch the whole test process to keeping freed memory
-    (cli.retain_freed_host_memory), and later tests that watch RSS would see it. The settings' own tests
+    (env.retain_freed_host_memory), and later tests that watch RSS would see it. The settings' own tests
     pass a C library explicitly or run a fresh process."""
-    from grpo_npu import cli
+    from grpo_npu import env
 
-    monkeypatch.setattr(cli, "_glibc", lambda: None)
+    monkeypatch.setattr(env, "_glibc", lambda: None)
 
 
 def _have(kind: str) -> bool:

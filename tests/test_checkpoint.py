@@ -96,7 +96,7 @@ def test_latest_file_is_the_commit_point(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(ckpt, "_write_durable", crash)
+    monkeypatch.setattr(ckpt, "write_atomic", crash)
     with pytest.raises(KeyboardInterrupt):
         _save(mgr, 2)
     monkeypatch.undo()

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from grpo_npu import main_ppo, main_sft
-from grpo_npu import cli
-from grpo_npu.cli import CPU_MALLOC_ENV, PROCESS_ENV_DEFAULTS, apply_process_env_defaults
+from grpo_npu import cli, main_ppo, main_sft
+from grpo_npu import env as env_defaults
+from grpo_npu.env import CPU_MALLOC_ENV, PROCESS_ENV_DEFAULTS, apply_process_env_defaults
 
 BASE = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "trainer.n_gpus_per_node=1",
         "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]
@@ -86,7 +86,7 @@ class _FakeLibc:
 
 def test_cpu_malloc_settings_reach_children_and_this_process():
     libc, env = _FakeLibc(), {}
-    assert cli.retain_freed_host_memory(env, libc) == CPU_MALLOC_ENV == env
+    assert env_defaults.retain_freed_host_memory(env, libc) == CPU_MALLOC_ENV == env
     assert libc.calls == [(-4, 0), (-1, 2**31 - 1)]  # M_MMAP_MAX = 0, M_TRIM_THRESHOLD = 2 GiB - 1
     assert env == {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 
@@ -94,14 +94,14 @@ def test_cpu_malloc_settings_reach_children_and_this_process():
 @pytest.mark.parametrize("preset", [{"MALLOC_MMAP_MAX_": "65536"}, {"MALLOC_TRIM_THRESHOLD_": "0"}])
 def test_users_own_malloc_tuning_is_kept_whole(preset):
     libc, env = _FakeLibc(), dict(preset)
-    assert cli.retain_freed_host_memory(env, libc) == {} and env == preset and libc.calls == []
+    assert env_defaults.retain_freed_host_memory(env, libc) == {} and env == preset and libc.calls == []
 
 
 def test_cpu_malloc_settings_need_glibc_and_a_cpu_run(monkeypatch):
-    monkeypatch.setattr(cli, "_glibc", lambda: None)  # musl, macOS, ...
+    monkeypatch.setattr(env_defaults, "_glibc", lambda: None)  # musl, macOS, ...
     env = {}
-    assert cli.retain_freed_host_memory(env) == {} and env == {}
-    monkeypatch.setattr(cli, "retain_freed_host_memory", lambda: dict(CPU_MALLOC_ENV))
+    assert env_defaults.retain_freed_host_memory(env) == {} and env == {}
+    monkeypatch.setattr(env_defaults, "retain_freed_host_memory", lambda: dict(CPU_MALLOC_ENV))
     import grpo_npu.device as device
 
     assert cli.apply_device_defaults("cpu") == CPU_MALLOC_ENV
@@ -113,9 +113,9 @@ def test_cpu_malloc_settings_need_glibc_and_a_cpu_run(monkeypatch):
 # 256 MB, written, freed: by default glibc unmaps it (RSS drops); retained, the process keeps it for reuse.
 _RETAIN_PROBE = """
 import sys, torch
-from grpo_npu import cli
+from grpo_npu import env
 if sys.argv[1] == "retain":
-    assert cli.retain_freed_host_memory() == cli.CPU_MALLOC_ENV
+    assert env.retain_freed_host_memory() == env.CPU_MALLOC_ENV
 def rss_mb():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
@@ -126,7 +126,7 @@ print(round(held - rss_mb()))
 """
 
 
-@pytest.mark.skipif(cli._glibc() is None, reason="needs glibc")
+@pytest.mark.skipif(env_defaults._glibc() is None, reason="needs glibc")
 @pytest.mark.parametrize("mode, kept", [("default", False), ("retain", True)])
 def test_freed_host_memory_is_kept_only_when_retained(mode, kept):
     env = {k: v for k, v in os.environ.items() if k not in CPU_MALLOC_ENV}

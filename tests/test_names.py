@@ -16,7 +16,7 @@ from grpo_npu.algo import names as algo_names
 from grpo_npu.algo.registry import Registry
 from grpo_npu.reward import manager
 from grpo_npu.reward import names as reward_names
-from grpo_npu.rollout import vllm_rollout
+from grpo_npu.rollout import vllm_settings
 from grpo_npu.rollout import names as rollout_names
 from grpo_npu.workers import fsdp, optim
 from grpo_npu.workers import names as workers_names
@@ -47,10 +47,10 @@ def test_rollout_reward_and_worker_tables_cover_the_declared_names():
     from grpo_npu import rollout
 
     assert set(rollout._BUILDERS) == set(rollout_names.ROLLOUT_NAMES)
-    assert set(vllm_rollout._LOAD_FORMATS) == set(rollout_names.LOAD_FORMATS)
+    assert set(vllm_settings._LOAD_FORMATS) == set(rollout_names.LOAD_FORMATS)
     assert set(manager.REWARD_MANAGERS) == set(reward_names.REWARD_MANAGER_NAMES)
     assert set(fsdp.DTYPES) | {"auto"} == set(workers_names.DTYPE_NAMES)
-    assert set(vllm_rollout._DTYPES) == set(workers_names.DTYPE_NAMES)
+    assert set(vllm_settings._DTYPES) == set(workers_names.DTYPE_NAMES)
     for impl in workers_names.OPTIM_IMPLS:
         assert optim.resolve_impl(impl, "cpu") in workers_names.OPTIM_IMPLS
     for style in workers_names.WARMUP_STYLES:
@@ -58,9 +58,10 @@ def test_rollout_reward_and_worker_tables_cover_the_declared_names():
 
 
 def test_top_level_names_match_their_modules():
-    from grpo_npu import device, tracking
+    from grpo_npu import device
+    from grpo_npu.tracking import sinks
 
-    assert tuple(tracking.SINKS) == top_names.LOGGERS
+    assert tuple(sinks.SINKS) == top_names.LOGGERS
     assert device.DEVICE_CHOICES == ("auto", *top_names.DEVICE_KINDS)
     assert device.resolve_kind("cpu") == "cpu"
 

@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_npu import tracking
-from grpo_npu.tracking import (
+from grpo_npu.tracking import Tracker, plots, sinks
+from grpo_npu.tracking.plots import plot_curves
+from grpo_npu.tracking.sinks import (
     METRICS_FILE,
     MissingPackageError,
-    Tracker,
     format_console_line,
     mlflow_key,
-    plot_curves,
     read_metrics,
     wandb_mode,
 )
@@ -130,7 +129,7 @@ def test_progress_bar_off_when_not_a_terminal(tmp_path, capsys):
 def test_sinks_match_the_config_choices():
     from grpo_npu.config import LOGGERS
 
-    assert tuple(tracking.SINKS) == LOGGERS
+    assert tuple(sinks.SINKS) == LOGGERS
 
 
 def test_unknown_logger_lists_known(tmp_path):
@@ -154,10 +153,10 @@ def test_curves_written_at_close_and_by_cli(tmp_path):
     assert {Path(p).name for p in proc.stdout.split()} == expected
 
 def test_cli_missing_run(tmp_path, capsys):
-    assert tracking.main(["plot", str(tmp_path / "nope")]) == 2
+    assert plots.main(["plot", str(tmp_path / "nope")]) == 2
     assert "no metrics file" in capsys.readouterr().err
     (tmp_path / METRICS_FILE).write_text('{"step": 1, "unplotted": 1.0}\n')
-    assert tracking.main(["plot", str(tmp_path)]) == 1
+    assert plots.main(["plot", str(tmp_path)]) == 1
 
 
 def test_curves_only_for_logged_metrics_and_from_memory_without_jsonl(tmp_path):
@@ -171,7 +170,7 @@ def test_curves_only_for_logged_metrics_and_from_memory_without_jsonl(tmp_path):
 def test_missing_matplotlib_warns_once_and_skips(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    monkeypatch.setattr(tracking, "_warned_no_matplotlib", False)
+    monkeypatch.setattr(plots, "_warned_no_matplotlib", False)
     history = {1: _step_metrics(1)}
     with caplog.at_level("WARNING", logger="grpo_npu.tracking"):
         assert plot_curves(tmp_path, history=history) == []
@@ -231,10 +230,10 @@ def test_mlflow_wiring(tmp_path, monkeypatch):
     fake.end_run = lambda: calls.append(("end",))
     monkeypatch.setitem(sys.modules, "mlflow", fake)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setattr(tracking, "_have_module", lambda name: False)
+    monkeypatch.setattr(sinks, "_have_module", lambda name: False)
     with pytest.raises(MissingPackageError, match="sqlalchemy"):  # mlflow-skinny: no local store
         make(tmp_path, ("mlflow",))
-    monkeypatch.setattr(tracking, "_have_module", lambda name: name == "sqlalchemy")
+    monkeypatch.setattr(sinks, "_have_module", lambda name: name == "sqlalchemy")
     calls.clear()
     config = {"trainer": {f"k{i}": i for i in range(150)}, "model": {"path": "x" * 900}}
     with make(tmp_path, ("mlflow",), project="p", experiment="e", config_dict=config) as tracker:

@@ -1,9 +1,9 @@
-"""Policy / value losses, loss aggregation and entropy.
+"""Policy / value losses and loss aggregation.
 
-Shapes: ``logp``, ``old_logp``, ``advantages``, ``values``, ``returns`` and ``mask`` are (B, T);
-``logits`` is (B, T, V). Losses return ``(loss, metrics)``: a 0-d float32 loss (float64 stays
-float64) and a dict of detached 0-d tensors, each a mean over this call's valid tokens (the caller
-averages them across micro-batches). Nothing here reads a tensor back to Python (no ``item()``).
+Shapes: ``logp``, ``old_logp``, ``advantages``, ``values``, ``returns`` and ``mask`` are (B, T).
+Losses return ``(loss, metrics)``: a 0-d float32 loss (float64 stays float64) and a dict of detached
+0-d tensors, each a mean over this call's valid tokens (the caller averages them across
+micro-batches). Nothing here reads a tensor back to Python (no ``item()``).
 Formulas: docs/algorithms.md ("Policy losses", "Loss aggregation", "Value loss").
 
 Micro-batching and data parallelism: build each micro-batch's loss with the GLOBAL counts of its
@@ -30,11 +30,6 @@ LOG_RATIO_CLAMP = 20.0
 # GSPO: the log of the sequence ratio is capped at 10 (ratio e^10 ~ 2.2e4) before exp(), with no floor,
 # as verl 0.9.1's compute_policy_loss_gspo does; the cap also stops the gradient of a capped sequence.
 GSPO_LOG_RATIO_MAX = 10.0
-
-
-# entropy_from_logits works on row chunks of at most this many float32 elements (64 MiB), so its
-# float32 temporaries stay small next to the (B, T, V) logits however large the vocabulary is.
-ENTROPY_CHUNK_ELEMENTS = 1 << 24
 
 
 # ------------------------------------------------------------------------------------------------
@@ -244,52 +239,3 @@ def value_loss(
             "vpred_mean": masked_mean(values, mask),
         }
     return loss, metrics
-
-
-# ------------------------------------------------------------------------------------------------
-# Entropy
-# ------------------------------------------------------------------------------------------------
-class _ChunkedEntropy(torch.autograd.Function):
-    """H = logsumexp(z) - sum softmax(z) * z per row of (N, V) logits, in row chunks.
-
-    Saves only the logits and H; the backward recomputes softmax chunk by chunk:
-    dH/dz = -p * (log p + H).
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:  # (N, V) -> (N,)
-        dtype = acc_dtype(logits)
-        rows = max(1, ENTROPY_CHUNK_ELEMENTS // max(1, logits.shape[-1]))
-        entropy = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
-        for start in range(0, logits.shape[0], rows):
-            z = logits[start : start + rows].to(dtype)
-            log_p = torch.log_softmax(z, dim=-1)
-            p = log_p.exp()
-            # p * z is 0 where p is 0, also for -inf logits (0 * -inf would be nan).
-            p_z = torch.where(p > 0, p * z, torch.zeros((), dtype=dtype, device=z.device))
-            entropy[start : start + rows] = torch.logsumexp(z, dim=-1) - p_z.sum(-1)
-        ctx.save_for_backward(logits, entropy)
-        return entropy
-
-    @staticmethod
-    def backward(ctx, grad_entropy: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, V)
-        logits, entropy = ctx.saved_tensors
-        dtype = entropy.dtype
-        rows = max(1, ENTROPY_CHUNK_ELEMENTS // max(1, logits.shape[-1]))
-        grad = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], rows):
-            stop = start + rows
-            log_p = torch.log_softmax(logits[start:stop].to(dtype), dim=-1)
-            p = log_p.exp()
-            g = torch.where(p > 0, -p * (log_p + entropy[start:stop, None]), torch.zeros((), dtype=dtype, device=p.device))
-            grad[start:stop] = (g * grad_entropy[start:stop, None]).to(logits.dtype)
-        return grad
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy (...,) of the softmax over the last dim of ``logits`` (..., V), accumulated in float32."""
-    if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"logits: expected a non-empty last (vocabulary) dim, got shape {tuple(logits.shape)}")
-    lead = logits.shape[:-1]
-    flat = logits.reshape(-1, logits.shape[-1])
-    return _ChunkedEntropy.apply(flat).reshape(lead)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 
 from grpo_npu.data.names import TRUNCATION_MODES
@@ -195,8 +196,6 @@ class RLDataset:
 
     def _read_rows(self) -> tuple[list[dict], list[str]]:
         """All rows of all files, and a "file row k" label for each (for error messages)."""
-        import pyarrow.parquet as pq
-
         rows, origins = [], []
         for path in self.files:
             try:

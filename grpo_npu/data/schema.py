@@ -1,4 +1,4 @@
-"""The gsm8k-style RL row schema, and atomic parquet writing shared by the preprocessors.
+"""The gsm8k-style RL row schema (parquet writing: :mod:`grpo_npu.data.parquet`).
 
 One row (the contract in docs/algorithms.md, the same as verl's gsm8k preprocessing)::
 
@@ -10,10 +10,6 @@ One row (the contract in docs/algorithms.md, the same as verl's gsm8k preprocess
 """
 
 from __future__ import annotations
-
-import os
-import tempfile
-from pathlib import Path
 
 GSM8K_DATA_SOURCE = "openai/gsm8k"
 SYNTHETIC_DATA_SOURCE = "grpo_npu/arithmetic"  # the offline synthetic task under its own name (gsm8k-scored)
@@ -52,23 +48,3 @@ def make_row(
         "extra_info": {"split": split, "index": index, "answer": answer, "question": question},
     }
 
-
-def write_parquet_atomic(rows: list[dict], path: str | os.PathLike) -> Path:
-    """Write ``rows`` (a list of same-shaped dicts) to ``path`` via a temp file + os.replace."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    if not rows:
-        raise ValueError(f"refusing to write an empty parquet file to {path}")
-    path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pylist(rows)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path

@@ -19,7 +19,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_npu.data.schema import GSM8K_DATA_SOURCE, SYNTHETIC_DATA_SOURCE, make_row, write_parquet_atomic
+from grpo_npu.data.parquet import write_parquet_atomic
+from grpo_npu.data.schema import GSM8K_DATA_SOURCE, SYNTHETIC_DATA_SOURCE, make_row
 
 # Attempts per requested problem before concluding a split cannot avoid the test questions.
 MAX_DRAWS_PER_PROBLEM = 50

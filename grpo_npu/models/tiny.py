@@ -12,6 +12,7 @@ atomic (built in a temporary sibling directory, then renamed).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -21,6 +22,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from grpo_npu.io import commit_dir
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -119,9 +126,6 @@ def _corpus(num_lines: int = 4000, seed: int = 1234) -> list[str]:
 
 def train_tokenizer(vocab_size: int = 1024, seed: int = 1234):
     """Train a byte-level BPE (digits split one by one, like Qwen2) and wrap it for transformers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -153,8 +157,6 @@ def train_tokenizer(vocab_size: int = 1024, seed: int = 1234):
 # Model
 # --------------------------------------------------------------------------------------------
 def make_config(spec: TinySpec, tokenizer=None):
-    from transformers import Qwen2Config
-
     kwargs = {}
     if tokenizer is not None:
         kwargs = dict(
@@ -188,9 +190,6 @@ def default_cache_dir() -> Path:
 
 def build_tiny_model(cache_dir: str | os.PathLike | None = None, spec: TinySpec = TINY) -> Path:
     """Build (or reuse) the tiny tokenizer + model under ``cache_dir/<spec.name>``; returns the path."""
-    import torch
-    from transformers import Qwen2ForCausalLM
-
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = root / spec.name
     marker = path / MARKER_FILE
@@ -211,9 +210,9 @@ def build_tiny_model(cache_dir: str | os.PathLike | None = None, spec: TinySpec 
         (tmp / MARKER_FILE).write_text(
             json.dumps({"fingerprint": spec.fingerprint(), "spec": dataclasses.asdict(spec)}, indent=2)
         )
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        replaced = commit_dir(tmp, path)  # an outdated kit is moved aside in the same step
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -221,8 +220,6 @@ def build_tiny_model(cache_dir: str | os.PathLike | None = None, spec: TinySpec 
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
     parser = argparse.ArgumentParser(description="Build the offline tiny tokenizer + Qwen2 model kit")
     parser.add_argument("--cache_dir", default=None, help="where to build (default $GRPO_NPU_CACHE or ~/.cache/grpo_npu)")
     parser.add_argument("--preset", default=TINY.name, choices=sorted(PRESETS))

@@ -14,7 +14,7 @@ like their module (``rms_norm``, ``swiglu``, ``attention``) are imported from th
 (``from grpo_npu.ops.attention import attention``) so that ``grpo_npu.ops.attention`` stays the module.
 """
 
-from grpo_npu.ops.attention import cu_seqlens_from_lengths, cu_seqlens_from_position_ids
+from grpo_npu.ops.attention import cu_seqlens_from_lengths
 from grpo_npu.ops.dispatch import BACKENDS, backends, set_backend, use_backend
 from grpo_npu.ops.logprob import linear_logprobs, logprobs_from_logits
 from grpo_npu.ops.patch import PATCHABLE_OPS, PatchReport, PatchRow, is_patched, patch_model, unpatch_model
@@ -29,7 +29,6 @@ __all__ = [
     "apply_rotary",
     "backends",
     "cu_seqlens_from_lengths",
-    "cu_seqlens_from_position_ids",
     "gated_mlp",
     "is_patched",
     "linear_logprobs",

@@ -45,16 +45,6 @@ def cu_seqlens_from_lengths(lengths: Sequence[int] | torch.Tensor) -> torch.Tens
     return F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
 
-def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Packed position ids (1, T) or (T,) restarting at 0 per sequence -> offsets (n+1,) int32."""
-    pos = position_ids.reshape(-1)
-    starts = torch.nonzero(pos == 0).flatten()
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        raise ValueError("cu_seqlens_from_position_ids: position_ids must start at 0 for every packed sequence")
-    total = torch.tensor([pos.numel()], device=starts.device)
-    return torch.cat((starts, total)).to(torch.int32)
-
-
 def _offsets(cu_seqlens: Sequence[int] | torch.Tensor, total: int, name: str) -> list[int]:
     """Validated host list of cumulative offsets [0, ..., total]."""
     offsets = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from grpo_npu.ops import attention as attention_op
 from grpo_npu.ops import linear as linear_op
@@ -128,8 +129,6 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def _make_attention_forward(eager_attention_forward: Callable) -> Callable:
     """HF's Qwen2/Qwen3/Llama attention forward with rotary through the dispatching op."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -206,8 +205,9 @@ def hf_attention_forward(
 
 
 def _register_attention() -> None:
+    # Imported here: transformers.masking_utils exists from transformers 4.53 on; with an older one (pyproject
+    # allows 4.51) every op but the attention patch still works.
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, hf_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

@@ -39,6 +39,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from grpo_npu.ops.linear import mm_nt  # oneDNN's fp32 product, the one the CPU training path uses
 from grpo_npu.perf.flops import dtype_name
 
 _T = 1e12
@@ -141,8 +142,6 @@ def best_seconds(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> 
 def measured_cpu_matmul_flops(dtype: str = "fp32") -> float:
     """FLOP/s of the best matmul this process has (torch's, and oneDNN's for fp32), with its torch
     threads; timed once per process and dtype."""
-    from grpo_npu.ops.linear import mm_nt  # oneDNN's fp32 product, the one the CPU training path uses
-
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name(dtype)]
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(CPU_MATMUL_SIZE, CPU_MATMUL_SIZE, generator=gen).to(torch_dtype)

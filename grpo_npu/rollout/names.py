@@ -2,7 +2,7 @@
 
 The config validates against these and ``--help`` lists them before torch is imported;
 ``tests/test_names.py`` checks them against the builders (``rollout._BUILDERS``) and vLLM's
-load-format table (``vllm_rollout._LOAD_FORMATS``).
+load-format table (``vllm_settings._LOAD_FORMATS``).
 """
 
 # actor_rollout_ref.rollout.name: the engines build_rollout can build

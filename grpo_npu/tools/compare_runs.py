@@ -51,7 +51,7 @@ from pathlib import Path
 from statistics import pstdev
 from typing import Any, Sequence
 
-from grpo_npu.tools import write_atomic
+from grpo_npu.io import write_atomic
 
 RUN_FILE = "metrics.jsonl"
 STEP_KEY = "step"

@@ -15,7 +15,6 @@ Every function that gathers or reduces is collective: all ranks call it in the s
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import re
@@ -25,13 +24,24 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from grpo_npu.checkpoint import load_state_file
 from grpo_npu.device import Device
+from grpo_npu.io import atomic_path, write_json
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +135,6 @@ def resolve_dtype(name: str, dev: Device) -> torch.dtype:
 
 def load_hf_config(path: str, override_config: dict[str, Any], *, trust_remote_code: bool, num_labels: int | None = None):
     """The HF config of ``path`` with ``override_config`` applied (attn_implementation included)."""
-    from transformers import AutoConfig
-
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path!r} is not a directory (model.path expects a local HF checkpoint)")
     overrides = dict(override_config)
@@ -144,8 +152,6 @@ def load_hf_config(path: str, override_config: dict[str, Any], *, trust_remote_c
 
 def load_hf_model(path: str, config, *, dtype: torch.dtype, value_head: bool, trust_remote_code: bool) -> nn.Module:
     """Rank 0 reads the checkpoint (on the host); other ranks build the same model on the meta device."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
     auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     if not dist.is_initialized() or dist.get_rank() == 0:
         return auto.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -188,8 +194,6 @@ def shard_model(
 
 def load_full_state_dict(root: nn.Module, full_state: dict[str, torch.Tensor], device: torch.device, *, cpu_offload: bool) -> None:
     """Fill sharded ``root`` from rank 0's full state dict (other ranks pass {}); buffers are broadcast too."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     if dist.get_world_size() == 1:
         return  # the single rank loaded real weights; fully_shard kept them
     if dist.get_rank() != 0:
@@ -242,13 +246,6 @@ def _tied_aliases(module: nn.Module) -> set[str]:
     return aliases
 
 
-def _atomic_write_json(path: str, obj: Any) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
-
-
 def export_hf(
     module: nn.Module, out_dir: str, *, tokenizer_path: str | None, dtype: torch.dtype | None = None,
     shard_bytes: int = EXPORT_SHARD_BYTES,
@@ -258,8 +255,6 @@ def export_hf(
     All ranks gather; rank 0 writes safetensors files of at most ``shard_bytes`` each (each file
     written to a temporary name, then renamed), the index, the config and the tokenizer.
     """
-    from safetensors.torch import save_file
-
     rank0 = dist.get_rank() == 0 if dist.is_initialized() else True
     skip = _tied_aliases(module)
     if rank0:
@@ -273,9 +268,8 @@ def export_hf(
         if not bucket:
             return
         name = f"model-part{len(files) + 1:05d}.safetensors"
-        tmp = os.path.join(out_dir, name + ".tmp")
-        save_file(bucket, tmp, metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(out_dir, name))
+        with atomic_path(os.path.join(out_dir, name)) as tmp:
+            save_file(bucket, str(tmp), metadata={"format": "pt"})
         files.append((name, list(bucket)))
         bucket, size = {}, 0
 
@@ -298,7 +292,8 @@ def export_hf(
             final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
             os.replace(os.path.join(out_dir, name), os.path.join(out_dir, final))
             weight_map.update({k: final for k in keys})
-        _atomic_write_json(os.path.join(out_dir, SAFETENSORS_INDEX), {"metadata": {}, "weight_map": weight_map})
+        write_json(os.path.join(out_dir, SAFETENSORS_INDEX), {"metadata": {}, "weight_map": weight_map}, indent=2,
+                   sort_keys=True)
     config = copy.deepcopy(module.config)  # the live model's config stays as it is
     if dtype is not None:
         config.dtype = dtype
@@ -306,8 +301,6 @@ def export_hf(
     if getattr(module, "generation_config", None) is not None and getattr(module, "can_generate", lambda: False)():
         module.generation_config.save_pretrained(out_dir)
     if tokenizer_path:
-        from transformers import AutoTokenizer
-
         AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(out_dir)
 
 
@@ -316,16 +309,12 @@ def export_hf(
 # ------------------------------------------------------------------------------------------------
 def save_sharded(out_dir: str, root: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any]) -> None:
     """Each rank writes its model (+ optimizer) shard with DCP under ``out_dir/dcp`` and ``extra_rank{r}.pt``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
     state: dict[str, Any] = {"model": get_model_state_dict(root)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(root, optimizer)
     dcp.save(state, checkpoint_id=os.path.join(out_dir, DCP_SUBDIR))
-    path = os.path.join(out_dir, f"extra_rank{dist.get_rank()}.pt")
-    torch.save(extra, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    with atomic_path(os.path.join(out_dir, f"extra_rank{dist.get_rank()}.pt")) as tmp:
+        torch.save(extra, tmp)
     dist.barrier()
 
 
@@ -336,14 +325,6 @@ def load_sharded(in_dir: str, root: nn.Module, optimizer: torch.optim.Optimizer 
     by another number of ranks, every rank takes rank 0's extras (the schedule and shuffle state are the same on
     every rank) with ``rng`` set to None: per-rank RNG streams cannot be mapped, the caller re-derives them.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
     dcp_dir = os.path.join(in_dir, DCP_SUBDIR)
     saved_ranks = len([n for n in os.listdir(in_dir) if re.fullmatch(r"extra_rank\d+\.pt", n)]) if os.path.isdir(in_dir) else 0
     same_world = saved_ranks == dist.get_world_size()

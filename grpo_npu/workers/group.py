@@ -27,7 +27,13 @@ import socket
 import traceback
 from typing import Any, Sequence
 
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from grpo_npu.batch import RolloutBatch
+from grpo_npu.device import get_device
+from grpo_npu.workers.fsdp import destroy_distributed, free_port, init_distributed
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +65,6 @@ class RankHost:
 
     def address(self) -> tuple[str, int]:
         """(host IP, a free port) for the rendezvous; asked of rank 0."""
-        from grpo_npu.workers.fsdp import free_port
-
         ip = LOOPBACK if self.world_size == 1 else _node_ip()
         return ip, free_port()
 
@@ -71,9 +75,6 @@ class RankHost:
               kwargs: dict) -> None:
         """Select the local device, initialise torch.distributed, construct ``worker_cls(*args, **kwargs)``."""
         try:
-            from grpo_npu.device import get_device
-            from grpo_npu.workers.fsdp import init_distributed
-
             dev = get_device(self.device_kind)
             if dev.is_accelerator:
                 dev.set_device(local_rank % max(dev.device_count(), 1))
@@ -96,8 +97,6 @@ class RankHost:
 
     def shutdown(self) -> None:
         """Close the worker and leave the process group (if this host created it)."""
-        from grpo_npu.workers.fsdp import destroy_distributed
-
         close = getattr(self.worker, "close", None)
         self.worker = None
         if close is not None:
@@ -107,24 +106,14 @@ class RankHost:
 
 
 def _node_ip() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
     return socket.gethostbyname(socket.gethostname())
 
 
 def _node_id() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.get_runtime_context().get_node_id()
-    except ImportError:
-        pass
+    if ray.is_initialized():
+        return ray.get_runtime_context().get_node_id()
     return socket.gethostname()
 
 
@@ -197,12 +186,6 @@ class RayGroup(WorkerGroup):
         ray_num_cpus: int | None = None,
         start_timeout_s: float = 300,
     ):
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from grpo_npu.device import get_device
-
         if world_size < 1:
             raise ValueError(f"RayGroup needs world_size >= 1, got {world_size}")
         self.world_size = world_size
@@ -253,8 +236,6 @@ class RayGroup(WorkerGroup):
 
     def _gather(self, refs: list, method: str) -> list[Any]:
         """Results in order; the first failing rank raises WorkerError at once."""
-        import ray
-
         rank_of = {ref: r for r, ref in enumerate(refs)}
         pending = list(refs)
         while pending:
@@ -280,8 +261,6 @@ class RayGroup(WorkerGroup):
         return self._gather(refs, method)
 
     def close(self, timeout_s: float = 60) -> None:
-        import ray
-
         if self.closed:
             return
         self.closed = True

@@ -12,16 +12,19 @@ Roles are decided by the config, once: the reference policy exists only when a K
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from transformers import AutoTokenizer, GenerationConfig
 
 from grpo_npu.batch import RolloutBatch
 from grpo_npu.config import Config, derive
 from grpo_npu.device import get_device
+from grpo_npu.rollout import MemoryLedger, build_rollout, run_rollout_step
 from grpo_npu.workers import fsdp
 from grpo_npu.workers.actor import Actor, Policy
 from grpo_npu.workers.critic import Critic, ValueHead
@@ -39,8 +42,6 @@ RESHARD_SEED_STRIDE = 10_007
 
 def eos_ids(tokenizer, model_path: str) -> list[int]:
     """The tokenizer's eos plus the generation config's (Qwen2.5-Instruct stops at two ids)."""
-    from transformers import GenerationConfig
-
     ids = [tokenizer.eos_token_id]
     try:
         extra = GenerationConfig.from_pretrained(model_path).eos_token_id
@@ -76,8 +77,6 @@ class HybridWorker:
         if not model.path:
             raise ValueError("actor_rollout_ref.model.path is required")
         if model.external_lib:
-            import importlib
-
             importlib.import_module(model.external_lib)
         dev.seed_everything(cfg.trainer.seed)
         fused = fused_kernels_on(model, dev)
@@ -121,10 +120,6 @@ class HybridWorker:
                 "rollout": self.rollout is not None}
 
     def _build_rollout(self) -> None:
-        from transformers import AutoTokenizer
-
-        from grpo_npu.rollout import MemoryLedger, build_rollout
-
         arr = self.cfg.actor_rollout_ref
         tok = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or arr.model.path,
                                             trust_remote_code=arr.model.trust_remote_code)
@@ -157,8 +152,6 @@ class HybridWorker:
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling) -> Any:
         """Wake the engine, stream the actor's weights in, generate this rank's prompts x n, sleep."""
-        from grpo_npu.rollout import run_rollout_step
-
         actor, rollout = self._need("actor"), self._need("rollout")
         with params_on(actor.module, self.dev, actor.param_offload):
             out = run_rollout_step(
@@ -167,12 +160,6 @@ class HybridWorker:
             )
             fsdp.reshard_all(actor.module)
         return out
-
-    def sync_rollout_weights(self) -> None:
-        """Stream the actor's weights into the rollout now (generate() does it on every call anyway)."""
-        actor, rollout = self._need("actor"), self._need("rollout")
-        with params_on(actor.module, self.dev, actor.param_offload):
-            rollout.update_weights(self.rollout_weights())
 
     # -- log-probs and values -----------------------------------------------------------------------
     def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:

@@ -2,7 +2,7 @@
 
 The config validates against these and ``--help`` lists them before torch is imported;
 ``tests/test_names.py`` checks them against the tables that act on them (``fsdp.DTYPES``,
-``vllm_rollout._DTYPES``).
+``vllm_settings._DTYPES``).
 """
 
 # actor.strategy / critic.strategy: verl's names; both mean FSDP2 (fully_shard, workers/fsdp.py)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from grpo_npu.data.rl_dataset import PromptLoader, RLDataset, collate, truncate
-from grpo_npu.data.schema import make_row, write_parquet_atomic
+from grpo_npu.data.parquet import write_parquet_atomic
+from grpo_npu.data.schema import make_row
 
 QUESTIONS = [
     "What is 2 + 3?",

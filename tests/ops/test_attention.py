@@ -131,12 +131,8 @@ def test_npu_branch_varlen_matches_reference(lengths, fake_npu):
     _compare_branches(fake_npu, {"causal": True, "cu_seqlens": op.cu_seqlens_from_lengths(lengths)}, q, k, v, tol={})
 
 
-def test_cu_seqlens_helpers():
+def test_cu_seqlens_from_lengths():
     assert op.cu_seqlens_from_lengths([3, 1, 5]).tolist() == [0, 3, 4, 9]
-    pos = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3, 4]])
-    assert op.cu_seqlens_from_position_ids(pos).tolist() == [0, 3, 4, 9]
-    with pytest.raises(ValueError, match="start at 0"):
-        op.cu_seqlens_from_position_ids(torch.tensor([1, 2, 0]))
 
 
 def test_rejects_bad_inputs(reference_backend):

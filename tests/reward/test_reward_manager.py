@@ -8,8 +8,8 @@ import pickle
 import pytest
 import torch
 
-from grpo_npu.reward import RewardFunctionError, compute_score, get_reward_manager, make_compute_score
-from grpo_npu.reward.manager import decode, last_token_index
+from grpo_npu.reward import RewardFunctionError, compute_score, make_compute_score
+from grpo_npu.reward.manager import decode, get_reward_manager, last_token_index
 
 TEXTS = [
     "12 + 30 = 42. #### 42",  # right

@@ -7,7 +7,7 @@ import pytest
 from grpo_npu.config import RolloutConfig
 from grpo_npu.device import Device
 from grpo_npu.rollout import build_rollout, training_sampling, validation_sampling
-from grpo_npu.rollout.vllm_rollout import (
+from grpo_npu.rollout.vllm_settings import (
     CPU_KV_CACHE_BYTES,
     check_expandable_segments,
     default_sleep_level,

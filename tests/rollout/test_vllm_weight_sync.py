@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 from grpo_npu.config import RolloutConfig  # noqa: E402
 from grpo_npu.device import Device  # noqa: E402
 from grpo_npu.rollout import SamplingConfig, build_rollout  # noqa: E402
-from grpo_npu.rollout import vllm_rollout  # noqa: E402
+from grpo_npu.rollout import vllm_cpu_sync, vllm_rollout  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -120,7 +120,7 @@ def test_without_the_repack_the_kernels_keep_the_old_weights(engine, tiny_hf, mo
     engine.update_weights(old.items())
     new = ref.perturbed_weights(tiny_hf, scale=PERTURB, seed=2)
     with monkeypatch.context() as patch:
-        patch.setattr(vllm_rollout, "_dispatch_gemm", lambda module, remove_weight: None)
+        patch.setattr(vllm_cpu_sync, "_dispatch_gemm", lambda module, remove_weight: None)
         engine.update_weights(new.items())
     # Stale: the old packed weights, with the new biases (the kernel takes the bias tensor at each call).
     stale = {k: new[k] if k.endswith(".bias") else old[k] for k in old}
@@ -182,7 +182,7 @@ def test_the_direct_path_refuses_compiled_models_and_layers_it_does_not_know():
     from vllm.config import CompilationMode
 
     unknown = torch.nn.Sequential(torch.nn.Linear(4, 4))  # a torch Linear: no vLLM post-load processing known
-    assert "0 (Linear) is not a plain linear" in vllm_rollout.direct_sync_unsupported(
+    assert "0 (Linear) is not a plain linear" in vllm_cpu_sync.direct_sync_unsupported(
         _fake_worker(unknown, CompilationMode.NONE))
-    assert "compiled" in vllm_rollout.direct_sync_unsupported(_fake_worker(unknown, CompilationMode.VLLM_COMPILE))
-    assert "no model_runner.model" in vllm_rollout.direct_sync_unsupported(object())
+    assert "compiled" in vllm_cpu_sync.direct_sync_unsupported(_fake_worker(unknown, CompilationMode.VLLM_COMPILE))
+    assert "no model_runner.model" in vllm_cpu_sync.direct_sync_unsupported(object())

