@@ -18,8 +18,7 @@ from grpo_npu.config.actor_rollout_ref import ActorRolloutRefConfig, FSDPConfig,
 from grpo_npu.config.fields import choice, free_dict, many
 from grpo_npu.data.names import TRUNCATION_MODES
 from grpo_npu.names import DEVICE_CHOICES, EXISTING_RUN_POLICIES, LOGGERS, RESUME_MODES
-from grpo_npu.reward.names import REWARD_MANAGER_NAMES
-from grpo_npu.reward.sandbox import SandboxSettings
+from grpo_npu.reward.names import REWARD_MANAGER_NAMES, SANDBOX_DEFAULTS
 from grpo_npu.workers.names import STRATEGIES
 
 
@@ -151,13 +150,13 @@ class RewardModelConfig:
     """DAPO overlong shaping."""
     num_workers: int = 0
     """Reward worker processes (0: one per CPU, at most 16); >= 2 also sends the bounded built-in scorers to them."""
-    timeout_s: float = SandboxSettings.timeout_s
+    timeout_s: float = SANDBOX_DEFAULTS["timeout_s"]
     """Seconds one reward call may run before its worker is killed and the row gets fallback_score."""
-    fallback_score: float = SandboxSettings.fallback_score
+    fallback_score: float = SANDBOX_DEFAULTS["fallback_score"]
     """Score of a row whose reward call timed out, raised, crashed its worker or returned a non-number."""
-    max_failed_fraction: float = SandboxSettings.max_failed_fraction
+    max_failed_fraction: float = SANDBOX_DEFAULTS["max_failed_fraction"]
     """Stop the run when more than this fraction of a batch's reward calls fail (1.0: never stop)."""
-    memory_limit_mb: int = SandboxSettings.memory_limit_mb
+    memory_limit_mb: int = SANDBOX_DEFAULTS["memory_limit_mb"]
     """Resident MB a reward worker may hold: above it killed (its row fails), above half replaced; 0: no limit."""
 
 

@@ -6,3 +6,6 @@ The config validates against these and ``--help`` lists them before torch is imp
 
 # reward_model.reward_manager: naive (scores at the last token) | dapo (adds overlong shaping)
 REWARD_MANAGER_NAMES = ("naive", "dapo")
+
+# The reward sandbox's defaults (reward.sandbox.SandboxSettings and the reward_model.* keys of the same names).
+SANDBOX_DEFAULTS = {"timeout_s": 30.0, "fallback_score": 0.0, "max_failed_fraction": 0.1, "memory_limit_mb": 4096}

@@ -35,6 +35,7 @@ from typing import Callable
 
 from grpo_npu.errors import ConfigError
 from grpo_npu.reward.call import RewardFunctionBroken, RewardFunctionError, Row, first_line, row_label, score_row
+from grpo_npu.reward.names import SANDBOX_DEFAULTS
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +44,13 @@ logger = logging.getLogger(__name__)
 class SandboxSettings:
     """How reward calls are guarded (the ``reward_model.*`` keys of the same names)."""
 
-    timeout_s: float = 30.0
+    timeout_s: float = SANDBOX_DEFAULTS["timeout_s"]
     """Seconds one reward call may run before its worker is killed and the row gets fallback_score."""
-    fallback_score: float = 0.0
+    fallback_score: float = SANDBOX_DEFAULTS["fallback_score"]
     """Score of a row whose reward call timed out, raised, crashed its worker or returned a non-number."""
-    max_failed_fraction: float = 0.1
+    max_failed_fraction: float = SANDBOX_DEFAULTS["max_failed_fraction"]
     """Stop the run when more than this fraction of a batch's reward calls fail (1.0: never stop)."""
-    memory_limit_mb: int = 4096
+    memory_limit_mb: int = SANDBOX_DEFAULTS["memory_limit_mb"]
     """Resident MB a reward worker may hold: above it killed (its row fails), above half replaced; 0: no limit."""
 
     def __post_init__(self) -> None:
