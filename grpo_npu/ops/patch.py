@@ -218,8 +218,8 @@ def hf_attention_forward(
 
 
 def _register_attention() -> None:
-    # Imported here: transformers.masking_utils exists from transformers 4.53 on; with an older one (pyproject
-    # allows 4.51) every op but the attention patch still works.
+    # Imported here, where it is needed: transformers.masking_utils exists from transformers 4.53 on
+    # (pyproject asks >= 4.56, docs/npu.md section 1).
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, hf_attention_forward)
