@@ -149,7 +149,7 @@ def _npu_api(zf: zipfile.ZipFile) -> dict[str, dict]:
     return dict(sorted(api.items()))
 
 
-def read_wheel(path: Path, version: str, supported: bool) -> dict:
+def read_wheel(path: Path, supported: bool) -> dict:
     with zipfile.ZipFile(path) as zf:
         entries, docs = _op_entries(zf), _op_docs(zf)
         ops = {}
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         wheels = args.wheels or Path(tmp)
         wheels.mkdir(parents=True, exist_ok=True)
-        versions = {v: read_wheel(download(v, wheels), v, supported) for v, supported in VERSIONS.items()}
+        versions = {v: read_wheel(download(v, wheels), supported) for v, supported in VERSIONS.items()}
     out = {
         "about": "torch_npu op schemas and docs read from the wheels by scripts/extract_npu_schemas.py "
                  "(do not edit 'versions' by hand; 'constraints' is transcribed by hand and kept on rerun)",
