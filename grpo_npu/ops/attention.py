@@ -12,7 +12,9 @@ j <= i + Skv - Sq), which is what both flash-attn and the NPU's sparse_mode 3 co
 NPU call (op-plugin docs): default ``scale`` is 1.0, so 1/sqrt(D) is always passed; causal uses
 ``sparse_mode=3`` with the fixed 2048x2048 upper-triangular "compressed" mask (the kernel expands
 it); varlen passes ``actual_seq_qlen``/``actual_seq_kvlen`` as host lists of cumulative END offsets
-without the leading 0 (lengths 2,2,2 -> [2, 4, 6]).
+without the leading 0 (lengths 2,2,2 -> [2, 4, 6]). A masked query row with no key to attend
+(left padding) returns zeros on every backend; the NPU branch never hands such a row to the kernel
+(the kernel constraints, with their sources: docs/npu.md).
 """
 
 from __future__ import annotations
@@ -121,29 +123,38 @@ def _attention_npu(
     k_offsets: list[int] | None,
     scale: float,
 ) -> torch.Tensor:
-    kwargs: dict = {"scale": scale, "keep_prob": 1.0}
+    # Every argument is named in the one call below, so tests/ops/test_npu_schemas.py can check the
+    # call against the schema of each supported torch_npu.
+    layout, seq_qlen, seq_kvlen = "BSND", None, None
+    atten_mask, sparse_mode, empty_rows = None, SPARSE_MODE_DEFAULT_MASK, None
     if q_offsets is not None:
         layout = "TND"
         # Cumulative END offsets without the leading 0; sequences empty on both sides are dropped.
         segments = zip(q_offsets, q_offsets[1:], k_offsets, k_offsets[1:])
         ends = [(qe, ke) for qs, qe, ks, ke in segments if (qs, ks) != (qe, ke)]
-        kwargs["actual_seq_qlen"] = [qe for qe, _ in ends]
-        kwargs["actual_seq_kvlen"] = [ke for _, ke in ends]
-    else:
-        layout = "BSND"
+        seq_qlen, seq_kvlen = [qe for qe, _ in ends], [ke for _, ke in ends]
     if attn_mask is not None:
         sq, skv = q.shape[1], k.shape[1]
+        keep = attn_mask if attn_mask.dim() == 4 else attn_mask[None, None]  # (B|1, N|1, Sq|1, Skv)
         if causal:
-            attn_mask = attn_mask & _bottom_right_causal(sq, skv, q.device)
-        if attn_mask.dim() == 4:  # the kernel takes BNSS / B1SS / 11SS / SS: expand broadcast q/kv dims
-            attn_mask = attn_mask.expand(attn_mask.shape[0], attn_mask.shape[1], sq, skv)
-        kwargs["atten_mask"] = torch.logical_not(attn_mask).contiguous()  # NPU: True = masked out
-        kwargs["sparse_mode"] = SPARSE_MODE_DEFAULT_MASK
+            keep = keep & _bottom_right_causal(sq, skv, q.device)
+        # the kernel takes BNSS / B1SS / 11SS / SS: expand broadcast q/kv dims
+        keep = keep.expand(keep.shape[0], keep.shape[1], sq, skv)
+        # A query row with no key to attend (left padding) must not reach the kernel: its docs make
+        # such rows lose precision (BSND) or forbid them (TND, torch_npu >= 2.7.1). The row attends
+        # to every key instead and its output is zeroed below, as torch SDPA returns for it.
+        empty_rows = ~keep.any(-1, keepdim=True)  # (B|1, N|1, Sq, 1)
+        atten_mask = torch.logical_not(keep | empty_rows).contiguous()  # NPU: True = masked out
     elif causal:
-        kwargs["atten_mask"] = _compressed_causal_mask(q.device)
-        kwargs["sparse_mode"] = SPARSE_MODE_RIGHT_DOWN_CAUSAL
-    head_num = q.shape[-2]
-    return dispatch.torch_npu().npu_fusion_attention(q, k, v, head_num, layout, **kwargs)[0]
+        atten_mask, sparse_mode = _compressed_causal_mask(q.device), SPARSE_MODE_RIGHT_DOWN_CAUSAL
+    out = dispatch.torch_npu().npu_fusion_attention(
+        q, k, v, q.shape[-2], layout,
+        atten_mask=atten_mask, scale=scale, keep_prob=1.0,
+        actual_seq_qlen=seq_qlen, actual_seq_kvlen=seq_kvlen, sparse_mode=sparse_mode,
+    )[0]  # fmt: skip
+    if empty_rows is not None:
+        out = out.masked_fill(empty_rows.transpose(1, 2), 0.0)  # (B|1, Sq, N|1, 1) over (B, Sq, Nq, D)
+    return out
 
 
 def attention(

@@ -127,8 +127,21 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return swiglu_op.gated_mlp(x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias)
 
 
+def _attention_lookup() -> Callable[[str, Callable], Callable]:
+    """(implementation name, eager function) -> attention function, as the installed transformers does it.
+
+    ``AttentionInterface.get_interface`` exists from transformers 5.1; before it (the 4.56-4.57 of the
+    older supported stacks) the models index ``ALL_ATTENTION_FUNCTIONS`` and keep eager for themselves.
+    """
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+        return ALL_ATTENTION_FUNCTIONS.get_interface
+    return lambda name, eager: eager if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
+
+
 def _make_attention_forward(eager_attention_forward: Callable) -> Callable:
     """HF's Qwen2/Qwen3/Llama attention forward with rotary through the dispatching op."""
+    lookup = _attention_lookup()
+
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -142,7 +155,7 @@ def _make_attention_forward(eager_attention_forward: Callable) -> Callable:
         q, k = rotary_op.apply_rotary(q, k, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        interface = lookup(self.config._attn_implementation, eager_attention_forward)
         if hasattr(self, "sliding_window"):  # Qwen2/Qwen3 pass it, Llama has none
             kwargs["sliding_window"] = self.sliding_window
         out, weights = interface(
@@ -205,8 +218,8 @@ def hf_attention_forward(
 
 
 def _register_attention() -> None:
-    # Imported here: transformers.masking_utils exists from transformers 4.53 on; with an older one (pyproject
-    # allows 4.51) every op but the attention patch still works.
+    # Imported here, where it is needed: transformers.masking_utils exists from transformers 4.53 on
+    # (pyproject asks >= 4.56, docs/npu.md section 1).
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, hf_attention_forward)

@@ -1,9 +1,12 @@
 """Test-only emulator of the torch_npu kernels that grpo_npu.ops calls. Never import it from the package.
 
-Each function has the parameter names, order and defaults of the real op schema (``SCHEMAS``, copied
-from torch_npu's op-plugin ``op_plugin_functions.yaml`` / the ``npu_native_functions_by_codegen.yaml``
-shipped in the wheel, and the op-plugin API pages), asserts the layouts and shapes the docs say the
-kernel requires, and computes the DOCUMENTED semantics with plain torch ops so autograd works:
+Each function has the parameter names, order and defaults that every supported torch_npu shares
+(``SCHEMAS``: the common prefix of the schemas that scripts/extract_npu_schemas.py read from the
+2.5.1, 2.7.1 and 2.10.0.post4 wheels into npu_schemas.json; tests/ops/test_npu_schemas.py checks
+both), asserts the layouts, shapes and rules the op docs state (the ``constraints`` of
+npu_schemas.json, each with its source; where versions differ, the strictest applies, since the
+same call must run on all three), and computes the DOCUMENTED semantics with plain torch ops so
+autograd works:
 
 - npu_rms_norm returns (y, rstd) with rstd fp32; gamma must share x's dtype.
 - npu_rotary_mul takes 4-D x and 4-D r1/r2 broadcasting as 11SD/B1SD/BNSD (x BNSD), 1S1D/BS1D/BSND
@@ -15,40 +18,45 @@ kernel requires, and computes the DOCUMENTED semantics with plain torch ops so a
   int lists of cumulative END offsets without the leading 0 (trailing zeros = unused batches). A
   leading 0 is rejected although the kernel would read it as an empty first sequence: it is the
   signature of passing flash-attn style cu_seqlens, and grpo_npu drops empty sequences itself.
-- npu_cross_entropy_loss returns (loss, log_prob, zloss, lse_for_zloss); N <= 200000; only loss
-  carries a gradient; zloss outputs are not enabled (empty tensors).
+  A mask row that masks every key is rejected: TND forbids it (docs from 2.7.1), BSND/BNSD lose
+  precision on it unless inner_precise=2 (then the row's output is zeros).
+- npu_cross_entropy_loss returns (loss, log_prob, zloss, lse_for_zloss); N <= 200000; reduction
+  mean|none (the 2.5.1 docs list no "sum"); only loss carries a gradient; zloss outputs are not
+  enabled (empty tensors).
 
-Where the real kernel's behaviour is undocumented the emulator says so and picks a rule: rows of
-attention with every key masked produce zeros (as torch SDPA does). Features grpo_npu never uses
-(pse, dropout, prefix, band modes) raise NotImplementedError instead of guessing.
+Features grpo_npu never uses (pse, dropout, prefix, band modes) raise NotImplementedError instead
+of guessing.
 """
 
 from __future__ import annotations
 
 import collections
+import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-# The op schemas, verbatim from the torch_npu docs / op-plugin yaml. tests/ops/test_emulator.py
-# checks every emulator signature against these strings.
-SCHEMAS = {
-    "npu_rms_norm": "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
-    "npu_rotary_mul": "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor",
-    "npu_swiglu": "npu_swiglu(Tensor self, int dim=-1) -> Tensor",
-    "npu_fusion_attention": (
-        "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
-        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
-        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
-        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
-        "bool gen_mask_parallel=True, bool sync=False) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)"
-    ),
-    "npu_cross_entropy_loss": (
-        'npu_cross_entropy_loss(Tensor input, Tensor target, Tensor? weight=None, str reduction="mean", '
-        "int ignore_index=-100, float label_smoothing=0.0, float lse_square_scale_for_zloss=0.0, "
-        "bool return_zloss=False) -> (Tensor, Tensor, Tensor, Tensor)"
-    ),
-}
+SCHEMA_FILE = Path(__file__).with_name("npu_schemas.json")
+
+
+def _common_schema(op: str, versions: dict) -> str:
+    """'op(params...) -> returns' over the leading parameters that every supported version declares alike."""
+    schemas = [entry["ops"][op] for entry in versions.values() if entry["supported"]]
+    declared = [[(p["type"], p["name"], p.get("default_text")) for p in s["params"]] for s in schemas]
+    common = []
+    for same in zip(*declared):
+        if any(param != same[0] for param in same):
+            break
+        common.append(same[0])
+    text = ", ".join(f"{t} {n}" + (f"={d}" if d is not None else "") for t, n, d in common)
+    return f"{op}({text}) -> {schemas[0]['returns']}"
+
+
+# The op schemas every supported torch_npu shares. tests/ops/test_emulator.py checks every emulator
+# signature against these strings; tests/ops/test_npu_schemas.py checks them against each version.
+_EXTRACT = json.loads(SCHEMA_FILE.read_text())
+SCHEMAS = {op: _common_schema(op, _EXTRACT["versions"]) for op in _EXTRACT["ops"]}
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 COMPRESSED_MASK_SIZE = 2048
@@ -201,7 +209,7 @@ def _attend(q, k, v, scale: float, masked: torch.Tensor | None) -> tuple[torch.T
         any_key = (~masked).any(-1, keepdim=True)
     probs = torch.softmax(scores, dim=-1)
     if masked is not None:
-        probs = probs * any_key  # fully masked rows -> 0 (undocumented on hardware; SDPA's rule)
+        probs = probs * any_key  # rows with no key -> 0 (reached with inner_precise=2, or sparse_mode 3 and Sq > Skv)
     return probs @ v, scores.amax(-1)
 
 
@@ -325,7 +333,10 @@ def npu_fusion_attention(
                 masked = _causal_masked(sq, skv, sparse_mode == 3, query.device)
             elif atten_mask is not None:
                 masked = atten_mask.bool()[:sq, :skv]
-                _require(not bool(masked.all(-1).any()), "npu_fusion_attention: varlen atten_mask may not mask a whole row")
+                _require(
+                    not bool(masked.all(-1).any()),
+                    "npu_fusion_attention: a varlen (TND) atten_mask may not mask every key of a query row",
+                )
             q_seg = query[qs:qe].transpose(0, 1)[None]  # (1, N, sq, D)
             k_seg, v_seg = (t[ks:ke].transpose(0, 1)[None] for t in (key, value))
             out, row_max = _attend(q_seg, k_seg, v_seg, scale, masked)
@@ -347,6 +358,11 @@ def npu_fusion_attention(
                 ok,
                 f"npu_fusion_attention: atten_mask {tuple(m.shape)} is not BNSS/B1SS/11SS/SS "
                 f"for B={b} N={n_q} Sq={sq} Skv={skv}",
+            )
+            _require(
+                inner_precise == 2 or not bool(m.all(-1).any()),
+                "npu_fusion_attention: atten_mask masks every key of a query row, where the kernel loses precision "
+                "unless inner_precise=2; un-mask the row",
             )
             masked = m
         out4, row_max = _attend(q4, k4, v4, scale, masked)
@@ -380,7 +396,7 @@ def npu_cross_entropy_loss(
         target.dtype == torch.int64 and target.shape == (n,),
         f"npu_cross_entropy_loss: target must be int64 [N={n}], got {target.dtype} {tuple(target.shape)}",
     )
-    _require(reduction in ("mean", "sum", "none"), f"npu_cross_entropy_loss: reduction {reduction!r} not mean|sum|none")
+    _require(reduction in ("mean", "none"), f"npu_cross_entropy_loss: reduction {reduction!r} not mean|none (2.5.1 has no sum)")
     _require(ignore_index < c, "npu_cross_entropy_loss: ignore_index must be < C")
     _require(0.0 <= label_smoothing < 1.0, "npu_cross_entropy_loss: label_smoothing outside [0, 1)")
     _require(lse_square_scale_for_zloss == 0.0 and not return_zloss, "npu_cross_entropy_loss: zloss is not enabled yet")
@@ -411,8 +427,6 @@ def npu_cross_entropy_loss(
     nll = nll.masked_fill(ignored, 0.0)
     if reduction == "none":
         loss = nll
-    elif reduction == "sum":
-        loss = nll.sum().reshape(1)
     else:
         loss = (nll.sum() / w[safe_target].masked_fill(ignored, 0.0).sum()).reshape(1)
     empty = input.new_empty(0)

@@ -222,3 +222,17 @@ def test_non_silu_mlp_is_skipped_with_reason(reference_backend):
     assert report.count("mlp") == 0
     assert any("gelu" in s for s in report.skipped)
     assert "skipped" in str(report)
+
+
+@pytest.mark.parametrize("branch", BRANCHES)
+def test_transformers_without_get_interface(branch, request, monkeypatch):
+    """transformers 4.56-5.0 (the quickstart and seed-era stacks) have no AttentionInterface.get_interface."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    request.getfixturevalue(branch)
+    model = _tiny("qwen2")
+    ids = torch.randint(0, 97, (2, 7))
+    before = _logits_and_grads(model, input_ids=ids)  # the installed transformers' own forward needs it
+    monkeypatch.delattr(type(ALL_ATTENTION_FUNCTIONS), "get_interface")
+    patch_model(model)
+    _assert_same(_logits_and_grads(model, input_ids=ids), before)
