@@ -156,3 +156,22 @@ def pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
         return t
     pad = t.new_full((t.shape[0], width - t.shape[1]) + tuple(t.shape[2:]), value)
     return torch.cat([t, pad], dim=1)
+
+
+def balance_order(lengths: list[int], parts: int) -> list[int]:
+    """A row order whose ``parts`` equal consecutive chunks have similar token totals (greedy LPT)."""
+    size = len(lengths) // parts
+    bins: list[list[int]] = [[] for _ in range(parts)]
+    totals = [0] * parts
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        open_bins = [b for b in range(parts) if len(bins[b]) < size]
+        b = min(open_bins, key=lambda b: totals[b])
+        bins[b].append(i)
+        totals[b] += lengths[i]
+    return [i for b in bins for i in sorted(b)]
+
+
+def cat_right_padded(parts: list[torch.Tensor], value) -> torch.Tensor:
+    """Concatenate (b_i, t_i) tensors along rows, right-padding each to the widest t_i with ``value``."""
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([pad_right(p, width, value) for p in parts], dim=0)

@@ -23,7 +23,10 @@ import torch
 from grpo_npu import config as C
 from grpo_npu.algo import losses
 from grpo_npu.batch import RolloutBatch
+from grpo_npu.cluster import Workers
 from grpo_npu.data.rl_dataset import left_pad
+from grpo_npu.data.tokenizer import load_tokenizer
+from grpo_npu.tracking import Tracker
 from grpo_npu.workers.actor import Actor
 from grpo_npu.workers.hybrid import HybridWorker
 from grpo_npu.workers.update_loop import MicroLoss
@@ -85,10 +88,6 @@ class SFTDataset:
 
 def run_sft(cfg: C.Config, group=None, *, export_dir: str | None = None) -> list[dict]:
     """Train cfg.trainer.total_epochs over the SFT data; returns per-step metrics; exports HF if asked."""
-    from grpo_npu.cluster import Workers
-    from grpo_npu.tracking import Tracker
-    from grpo_npu.trainer import load_tokenizer
-
     t, d = cfg.trainer, cfg.data
     if cfg.actor_rollout_ref.rollout.temperature != 1.0:
         raise ValueError("main_sft: actor_rollout_ref.rollout.temperature must be 1.0 (log-probs are divided by it)")

@@ -7,31 +7,24 @@ worker group with the same calls whether the group is in-process or a set of Ray
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import signal
-import time
-from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
-from transformers import AutoTokenizer
 
 from grpo_npu import config as C
 from grpo_npu.algo.advantages import compute_advantage
 from grpo_npu.algo.dapo import filter_groups
 from grpo_npu.algo.kl import apply_kl_in_reward, make_kl_controller
-from grpo_npu.batch import RolloutBatch, pad_right
+from grpo_npu.batch import RolloutBatch, balance_order, cat_right_padded
 from grpo_npu.checkpoint import CheckpointManager, load_state_file
 from grpo_npu.cluster import Workers
 from grpo_npu.data.rl_dataset import PromptBatch, PromptLoader, RLDataset
+from grpo_npu.data.tokenizer import load_tokenizer
 from grpo_npu.device import get_device
 from grpo_npu.errors import StoppedBySignal, TrainingStopped
 from grpo_npu.input_checks import check_inputs
-from grpo_npu.io import write_atomic
 from grpo_npu.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics
 from grpo_npu.preflight import log_checks, run_checks
 from grpo_npu.reward.manager import get_reward_manager
@@ -39,7 +32,10 @@ from grpo_npu.reward.sandbox import SandboxSettings
 from grpo_npu.reward.score import make_compute_score
 from grpo_npu.rollout import logp_diff_metrics, training_sampling, validation_sampling
 from grpo_npu.rollout.base import SamplingConfig
+from grpo_npu.run_control import StopRequest, Timer
 from grpo_npu.rundir import RunDirLock, prepare_fresh_start
+from grpo_npu.samples import decode_samples, write_jsonl
+from grpo_npu.step_limits import StepLimits
 from grpo_npu.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -52,73 +48,6 @@ SEED_STRIDE = 10_007
 # its std huge and every advantage ~0, so the step would "succeed" while learning nothing. Real rule and model
 # rewards stay many orders of magnitude below it.
 MAX_ABS_REWARD = 1e6
-
-
-class Timer:
-    """Named wall-clock sections of one step: ``with timer("gen"): ...`` -> {"gen": seconds}."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] += time.perf_counter() - start
-
-
-class StopRequest:
-    """SIGINT/SIGTERM set a flag; the loop finishes the step, checkpoints and stops (exit 128 + signal)."""
-
-    def __init__(self) -> None:
-        self.requested: str | None = None
-        self.signum = 0
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> "StopRequest":
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: no handlers, no graceful stop
-                pass
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:  # a second Ctrl-C means now
-            raise KeyboardInterrupt
-        self.requested, self.signum = signal.Signals(signum).name, int(signum)
-        log.warning("%s received: finishing this step, saving a checkpoint, then stopping", self.requested)
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def load_tokenizer(cfg: C.Config):
-    model = cfg.actor_rollout_ref.model
-    path = cfg.data.tokenizer or model.tokenizer_path or model.path
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.data.trust_remote_code or model.trust_remote_code)
-    if model.custom_chat_template:
-        tok.chat_template = model.custom_chat_template
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    tok.padding_side = "left"
-    return tok
-
-
-def balance_order(lengths: list[int], parts: int) -> list[int]:
-    """A row order whose ``parts`` equal consecutive chunks have similar token totals (greedy LPT)."""
-    size = len(lengths) // parts
-    bins: list[list[int]] = [[] for _ in range(parts)]
-    totals = [0] * parts
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        open_bins = [b for b in range(parts) if len(bins[b]) < size]
-        b = min(open_bins, key=lambda b: totals[b])
-        bins[b].append(i)
-        totals[b] += lengths[i]
-    return [i for b in bins for i in sorted(b)]
 
 
 class Trainer:
@@ -163,6 +92,7 @@ class Trainer:
             if self.resume_from is None:  # a fresh start: another run's files must not mix with this one's
                 prepare_fresh_start(self.run_dir, t.existing_run_dir)
             self.workers = workers if workers is not None else Workers.build(cfg, total_training_steps=self.total_steps)
+            self.limits = StepLimits(cfg, self.device, world_size=self.world_size, use_critic=self.derived.use_critic)
             self.tracker = Tracker(self.run_dir, tuple(t.logger), project=t.project_name, experiment=t.experiment_name,
                                    config_dict=C.to_dict(cfg), total_steps=self.total_steps)
             self.global_step = 0
@@ -197,6 +127,7 @@ class Trainer:
                 timer = Timer()
                 with timer("step"):
                     batch, metrics = self.rollout_and_reward(step, timer)
+                    rows = (batch.prompt_lengths.tolist(), batch.response_lengths.tolist())  # generation order
                     if not self._sane_rewards(batch):
                         self._bad_step(step, f"non-finite rewards or rewards beyond +-{MAX_ABS_REWARD:g}")
                         continue
@@ -211,6 +142,7 @@ class Trainer:
                 self.bad_steps = 0
                 self.global_step = step
                 metrics.update(self._step_metrics(batch, timer))
+                metrics.update(self.limits.report(timer.seconds, metrics, *rows, n=self.derived.n))
                 if t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps) and self.val_set is not None:
                     with timer("testing"):
                         metrics.update(self.validate())
@@ -282,11 +214,11 @@ class Trainer:
             ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
             sampling = SamplingConfig(**{**sampling.__dict__, "n": 1})
         outs = self.workers.generate(ids, mask, sampling)
-        response_ids = _cat_right_padded([o.response_ids for o in outs], self.tokenizer.pad_token_id)
-        response_mask = _cat_right_padded([o.response_mask for o in outs], 0)
+        response_ids = cat_right_padded([o.response_ids for o in outs], self.tokenizer.pad_token_id)
+        response_mask = cat_right_padded([o.response_mask for o in outs], 0)
         rollout_logp = None
         if all(o.logprobs is not None for o in outs):
-            rollout_logp = _cat_right_padded([o.logprobs for o in outs], 0.0)
+            rollout_logp = cat_right_padded([o.logprobs for o in outs], 0.0)
         rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
         batch = RolloutBatch(
             prompt_ids=prompts.input_ids.repeat_interleave(n, 0),
@@ -373,11 +305,11 @@ class Trainer:
             for source, extra in zip(batch.data_source, batch.reward_extra):
                 scores[source].append(float(extra["score"]))
             if len(samples) < self.cfg.trainer.log_val_generations:
-                samples += self._samples(batch, self.cfg.trainer.log_val_generations - len(samples))
+                samples += decode_samples(self.tokenizer, batch, self.cfg.trainer.log_val_generations - len(samples))
         for s in samples:
             log.info("val sample (score %.2f)\n  prompt: %s\n  response: %s", s["score"], s["prompt"][-200:], s["response"])
         if self.cfg.trainer.validation_data_dir:
-            _write_jsonl(Path(self.cfg.trainer.validation_data_dir) / f"val_step_{self.global_step}.jsonl", samples)
+            write_jsonl(Path(self.cfg.trainer.validation_data_dir) / f"val_step_{self.global_step}.jsonl", samples)
         return {f"val-core/{src}/reward/mean@{n}": sum(v) / len(v) for src, v in scores.items()}
 
     # ------------------------------------------------------------------------------------------
@@ -490,37 +422,21 @@ class Trainer:
                 saved = f"saved the last good state as global_step_{self.global_step} in {self.run_dir}"
             raise TrainingStopped(f"{self.bad_steps} consecutive bad steps (last: {why}); {saved}")
 
-    def _samples(self, batch: RolloutBatch, k: int) -> list[dict]:
-        out = []
-        for i in range(min(k, len(batch))):
-            p = self.tokenizer.decode(batch.prompt_ids[i][batch.prompt_mask[i].bool()], skip_special_tokens=True)
-            r = self.tokenizer.decode(batch.response_ids[i][batch.response_mask[i].bool()], skip_special_tokens=True)
-            out.append({"prompt": p, "response": r, "score": float(batch.reward_extra[i]["score"]),
-                        "ground_truth": batch.ground_truth[i]})
-        return out
-
     def _dump_rollout(self, batch: RolloutBatch, step: int) -> None:
         if self.cfg.trainer.rollout_data_dir:
-            _write_jsonl(Path(self.cfg.trainer.rollout_data_dir) / f"{step}.jsonl", self._samples(batch, len(batch)))
+            write_jsonl(Path(self.cfg.trainer.rollout_data_dir) / f"{step}.jsonl",
+                        decode_samples(self.tokenizer, batch, len(batch)))
 
     def _log_doctor(self) -> None:
         rollout = self.cfg.actor_rollout_ref.rollout
         log_checks(run_checks(sleep_mode=rollout.name == "vllm" and rollout.enable_sleep_mode), log)
 
     def close(self) -> None:
+        if self.limits.reports:
+            log.info(self.limits.verdict())
         for closer in (self.tracker.close, self.reward_fn.close, self.val_reward_fn.close, self.workers.close,
                        self.lock.release):
             try:
                 closer()
             except Exception as exc:  # keep closing the rest
                 log.warning("error while closing: %s", exc)
-
-
-def _cat_right_padded(parts: list[torch.Tensor], value) -> torch.Tensor:
-    width = max(p.shape[1] for p in parts)
-    return torch.cat([pad_right(p, width, value) for p in parts], dim=0)
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, "".join(json.dumps(row, default=str) + "\n" for row in rows).encode())

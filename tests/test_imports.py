@@ -25,9 +25,9 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("errors", "io", "env", "names"),  # standard library only
     ("device", "batch", "config"),
     ("algo", "ops", "data", "reward", "models", "metrics", "perf", "checkpoint", "rundir", "input_checks",
-     "installation", "preflight", "tracking"),
+     "installation", "preflight", "tracking", "run_control", "samples"),
     ("rollout", "workers"),
-    ("trainer", "cluster", "sft"),
+    ("trainer", "cluster", "sft", "step_limits"),
     ("main_ppo", "main_sft", "cli", "default_job", "doctor", "tools"),
 )
 FLOOR_OF = {name: level for level, names in enumerate(FLOORS) for name in names}

@@ -1,0 +1,47 @@
+"""The trainer's phase-limit report: the tiny kit's run yields verl's MFU names and our limit fractions, sync is a
+phase of its own only where the engine holds a copy of the weights, and a model the FLOP model does not know turns
+the report off instead of failing the run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from grpo_npu.config import load_config
+from grpo_npu.device import get_device
+from grpo_npu.step_limits import StepLimits
+
+BASE = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "trainer.n_gpus_per_node=1",
+        "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.n=2"]
+SECONDS = {"step": 2.0, "gen": 0.8, "reward": 0.01, "old_log_prob": 0.1, "adv": 0.01, "update_actor": 0.9,
+           "testing": 5.0}  # testing runs after the step: not a phase of it
+
+
+@pytest.mark.parametrize("rollout", ["hf", "vllm"])
+def test_report_of_one_step(tiny_model_path, rollout):
+    cfg = load_config(BASE + [f"actor_rollout_ref.model.path={tiny_model_path}",
+                              f"actor_rollout_ref.rollout.name={rollout}"])
+    limits = StepLimits(cfg, get_device("cpu"), world_size=1, use_critic=False)
+    metrics = limits.report(SECONDS, {"rollout/weight_sync_s": 0.3}, [5, 5, 7, 7], [3, 4, 2, 6], n=2)
+    assert 0 < metrics["perf/mfu/actor"] < 1 and 0 < metrics["perf/mfu/actor_infer"] < 1
+    assert metrics["perf/share/update_actor"] == pytest.approx(0.45)
+    assert ("perf/limit_frac/sync" in metrics) == (rollout == "vllm")
+    gen_share = (0.8 - 0.3) / 2.0 if rollout == "vllm" else 0.8 / 2.0
+    assert metrics["perf/share/gen"] == pytest.approx(gen_share)
+    assert not any("testing" in k for k in metrics)
+    assert "update_actor" in limits.verdict() or "gen" in limits.verdict()
+
+
+def test_an_unmodelled_model_turns_the_report_off(tiny_model_path, tmp_path, caplog):
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_path, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "gpt2", "n_embd": 64}))
+    cfg = load_config(BASE + [f"actor_rollout_ref.model.path={model}"])
+    with caplog.at_level("INFO"):
+        limits = StepLimits(cfg, get_device("cpu"), world_size=1, use_critic=False)
+    assert not limits.enabled and "no phase limits for this model" in caplog.text
+    assert limits.report(SECONDS, {}, [5, 5], [3, 4], n=2) == {}
