@@ -6,13 +6,18 @@ The environment defaults themselves live in :mod:`grpo_npu.env`, the error types
 
 from __future__ import annotations
 
-import logging
 import sys
+import traceback
 from typing import Callable
 
 from grpo_npu import env
-from grpo_npu.errors import (EXIT_BAD_INPUT, EXIT_OK, EXIT_SIGNAL_BASE, EXIT_STOPPED, ConfigError, StoppedBySignal,
-                             TrainingStopped)
+from grpo_npu.errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_SIGNAL_BASE, EXIT_STOPPED, ConfigError,
+                             StoppedBySignal, TrainingStopped, WorkerError)
+from grpo_npu.logs import current_log, debug_mode, setup_logging
+
+# The exit-code table (README "What happens when things go wrong"):
+#   0 complete | 1 stopped by policy (bad steps, too many failed rewards) | 2 bad input (one line naming the
+#   key/file/row) | 3 internal error (one line; traceback in the run's train.log) | 128 + N stopped by signal N.
 
 
 def apply_device_defaults(device: str) -> dict[str, str]:
@@ -28,25 +33,44 @@ def apply_device_defaults(device: str) -> dict[str, str]:
     return env.retain_freed_host_memory() if kind == "cpu" else {}
 
 
-def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
 def exit_code(run: Callable[[], None]) -> int:
-    """Run; bad configuration or input -> one line on stderr and 2; a run that stopped itself -> 1; stopped by
-    signal N -> 128 + N (the checkpoint is saved first)."""
+    """Run; every error leaves as one line on stderr and an exit code (the table above)."""
     try:
         run()
-    except ConfigError as exc:
+    except Exception as exc:  # noqa: BLE001 - every error leaves as one line and an exit code
+        return _report(exc)
+    return EXIT_OK
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _report(exc: Exception) -> int:
+    """One line on stderr for ``exc`` and its exit code; the traceback goes to the run log (and the console
+    with GRPO_NPU_DEBUG=1)."""
+    if debug_mode():
+        traceback.print_exception(exc)
+    where = current_log()
+    more = f" (traceback in {where}; GRPO_NPU_DEBUG=1 shows it here)" if where else " (GRPO_NPU_DEBUG=1 shows the traceback)"
+    if isinstance(exc, WorkerError):  # raised on a rank: its own exception, one line
+        if exc.user_error:
+            print(f"error: {exc.summary.split(': ', 1)[-1]}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        print(f"internal error: rank {exc.rank} in {exc.method}(): {exc.summary}{more}", file=sys.stderr)
+        return EXIT_INTERNAL
+    if isinstance(exc, ConfigError):
         print(f"config error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except (OSError, ValueError) as exc:  # missing files, unloadable model paths, bad data rows
-        print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+    if isinstance(exc, (OSError, ValueError)):  # missing files, unloadable model paths, bad data rows, a full disk
+        print(f"error: {_first_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except TrainingStopped as exc:
+    if isinstance(exc, TrainingStopped):
         print(f"stopped: {exc}", file=sys.stderr)
         return EXIT_STOPPED
-    except StoppedBySignal as exc:
+    if isinstance(exc, StoppedBySignal):
         print(f"stopped: {exc}", file=sys.stderr)
         return EXIT_SIGNAL_BASE + exc.signum
-    return EXIT_OK
+    print(f"internal error: {type(exc).__name__}: {_first_line(exc)}{more}", file=sys.stderr)
+    return EXIT_INTERNAL

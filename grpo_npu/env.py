@@ -38,7 +38,7 @@ def apply_process_env_defaults(environ: MutableMapping[str, str] | None = None) 
     missing = {k: v for k, v in PROCESS_ENV_DEFAULTS.items() if k not in environ}
     environ.update(missing)
     if missing and "torch" in sys.modules:
-        log.info("torch was imported before grpo_npu's entry point: %s applies to child processes only (export it "
+        log.debug("torch was imported before grpo_npu's entry point: %s applies to child processes only (export it "
                  "before starting Python to cover this one)", ", ".join(f"{k}={v}" for k, v in missing.items()))
     return missing
 

@@ -7,9 +7,12 @@ gave: a key, a file, a data row. The entry points print its message as one line 
 
 from __future__ import annotations
 
+import traceback
+
 EXIT_OK = 0  # the run completed
 EXIT_STOPPED = 1  # the run stopped itself by policy (e.g. too many consecutive bad steps)
 EXIT_BAD_INPUT = 2  # bad configuration or input: one line names the key/file/row
+EXIT_INTERNAL = 3  # an error inside grpo_npu or a library: one line, the traceback in the run's train.log
 EXIT_SIGNAL_BASE = 128  # stopped by signal N (after saving a checkpoint): exit 128 + N, as shells report it
 
 
@@ -31,3 +34,27 @@ class StoppedBySignal(RuntimeError):
     def __init__(self, signum: int, message: str):
         super().__init__(message)
         self.signum = signum
+
+
+class WorkerError(RuntimeError):
+    """A worker raised: carries the rank, the method, the worker-side traceback, a one-line ``summary``
+    ("ExceptionType: first line of its message") and whether it was a user error (bad input: a ValueError or
+    OSError such as a missing file, as opposed to a failure inside grpo_npu or a library)."""
+
+    def __init__(self, rank: int, method: str, details: str, summary: str = "", user_error: bool = False):
+        super().__init__(f"rank {rank} failed in {method}():\n{details}")
+        self.rank = rank
+        self.method = method
+        self.details = details
+        self.summary = summary or (details.strip().splitlines()[-1] if details.strip() else "unknown error")
+        self.user_error = user_error
+
+    @classmethod
+    def from_exception(cls, rank: int, method: str, exc: BaseException) -> "WorkerError":
+        """From the exception being handled (call inside ``except``)."""
+        text = str(exc).strip()
+        summary = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+        return cls(rank, method, traceback.format_exc(), summary, isinstance(exc, (ValueError, OSError)))
+
+    def __reduce__(self):  # picklable across the Ray boundary
+        return (WorkerError, (self.rank, self.method, self.details, self.summary, self.user_error))

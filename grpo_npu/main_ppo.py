@@ -7,13 +7,17 @@ loss -- the same code path as a real run, sized for two CPU cores.
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import sys
 
-from grpo_npu.cli import apply_device_defaults, exit_code, setup_logging
+from grpo_npu.cli import apply_device_defaults, exit_code
 from grpo_npu.config import config_from_argv
 from grpo_npu.env import apply_process_env_defaults
+from grpo_npu.logs import setup_logging
+
+log = logging.getLogger(__name__)
 
 
 def train(argv: list[str]) -> None:
@@ -34,6 +38,9 @@ def train(argv: list[str]) -> None:
     print(f"run directory: {run_dir} (metrics.jsonl, checkpoints, PNG curves)", file=sys.stderr)
     try:
         trainer.fit()
+    except BaseException as exc:
+        log.debug("the run ended with an error", exc_info=exc)  # into train.log, before close() detaches it
+        raise
     finally:
         trainer.close()
     print(where_things_went(run_dir, argv), file=sys.stderr)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import sys
 
-from grpo_npu.cli import apply_device_defaults, exit_code, setup_logging
+from grpo_npu.cli import apply_device_defaults, exit_code
+from grpo_npu.logs import setup_logging
 from grpo_npu.config import config_from_argv
 from grpo_npu.env import apply_process_env_defaults
 

@@ -25,6 +25,7 @@ from grpo_npu.data.tokenizer import load_tokenizer
 from grpo_npu.device import get_device
 from grpo_npu.errors import StoppedBySignal, TrainingStopped
 from grpo_npu.input_checks import check_inputs
+from grpo_npu.logs import attach_run_log, detach
 from grpo_npu.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics
 from grpo_npu.preflight import log_checks, run_checks
 from grpo_npu.reward.manager import get_reward_manager
@@ -63,6 +64,7 @@ class Trainer:
             check_inputs(cfg, use_critic=self.derived.use_critic)
         self.run_dir = Path(t.default_local_dir)
         self.lock = RunDirLock(self.run_dir).acquire()  # before anything is written there; released by close()
+        self.run_log = attach_run_log(self.run_dir)  # train.log: everything, tracebacks included
         try:
             self._log_doctor()
 
@@ -98,7 +100,9 @@ class Trainer:
             self.global_step = 0
             self.bad_steps = 0
             self._batches = iter(())
-        except BaseException:
+        except BaseException as exc:
+            log.debug("the trainer could not start", exc_info=exc)
+            detach(self.run_log)
             self.lock.release()
             raise
 
@@ -435,7 +439,7 @@ class Trainer:
         if self.limits.reports:
             log.info(self.limits.verdict())
         for closer in (self.tracker.close, self.reward_fn.close, self.val_reward_fn.close, self.workers.close,
-                       self.lock.release):
+                       lambda: detach(self.run_log), self.lock.release):
             try:
                 closer()
             except Exception as exc:  # keep closing the rest

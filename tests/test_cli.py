@@ -146,3 +146,48 @@ def test_missing_device_is_one_line_naming_the_key_and_the_doctor(kind, tiny_mod
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1, proc.stderr[-3000:]
     assert err[0].startswith(f"error: trainer.device={kind} but ") and "python -m grpo_npu.doctor" in err[0]
+
+
+def test_worker_user_error_is_one_line_and_exit_2(tiny_model_path, tmp_path):
+    """A bad key that only the worker can judge (a model field that does not exist) ends as one line, no traceback."""
+    from grpo_npu.data.synthetic import write_synthetic
+
+    write_synthetic(str(tmp_path / "data"), train_size=8, test_size=2, difficulty=1, seed=0, write_sft=False)
+    run_dir = tmp_path / "run"
+    argv = BASE + [f"actor_rollout_ref.model.path={tiny_model_path}", "trainer.device=cpu",
+                   f"data.train_files={tmp_path / 'data' / 'train.parquet'}", "actor_rollout_ref.rollout.name=hf",
+                   f"trainer.default_local_dir={run_dir}", "+actor_rollout_ref.model.override_config.not_a_field=1"]
+    proc = subprocess.run([sys.executable, "-m", "grpo_npu.main_ppo", *argv], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "error: model.override_config.not_a_field: Qwen2Config has no such field"
+    assert "Traceback" in (run_dir / "train.log").read_text()  # the full story stays in the run's log
+
+
+def test_internal_errors_are_one_line_with_exit_3_and_the_log_named(capsys, tmp_path, monkeypatch):
+    from grpo_npu import logs
+    from grpo_npu.errors import WorkerError
+
+    monkeypatch.setattr(logs, "_current_log", [tmp_path / "train.log"])
+
+    def fail_on_rank_1():
+        try:
+            raise RuntimeError("CUDA error: an illegal memory access\nmore details")
+        except RuntimeError as exc:
+            raise WorkerError.from_exception(1, "update_actor", exc) from None
+
+    assert cli.exit_code(fail_on_rank_1) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"internal error: rank 1 in update_actor(): RuntimeError: CUDA error: an illegal memory access "
+                   f"(traceback in {tmp_path / 'train.log'}; GRPO_NPU_DEBUG=1 shows it here)"]
+
+    def crash():
+        raise KeyError("x")
+
+    assert cli.exit_code(crash) == 3
+    assert capsys.readouterr().err.startswith("internal error: KeyError: 'x'")
+    monkeypatch.setenv("GRPO_NPU_DEBUG", "1")
+    assert cli.exit_code(crash) == 3
+    assert "Traceback (most recent call last)" in capsys.readouterr().err

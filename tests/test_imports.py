@@ -22,7 +22,7 @@ PACKAGE_DIR = Path(grpo_npu.__file__).parent
 # ``names`` modules (grpo_npu.names, grpo_npu.<package>.names: torch-free lists of accepted values that
 # the config validates against) are on the lowest floor wherever they live.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("errors", "io", "env", "names"),  # standard library only
+    ("errors", "io", "env", "names", "logs"),  # standard library only
     ("device", "batch", "config"),
     ("algo", "ops", "data", "reward", "models", "metrics", "perf", "checkpoint", "rundir", "input_checks",
      "installation", "preflight", "tracking", "run_control", "samples"),

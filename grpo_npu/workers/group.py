@@ -24,7 +24,6 @@ import abc
 import logging
 import os
 import socket
-import traceback
 from typing import Any, Sequence
 
 import ray
@@ -32,25 +31,13 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from grpo_npu.batch import RolloutBatch
+from grpo_npu.errors import WorkerError
 from grpo_npu.device import get_device
 from grpo_npu.workers.fsdp import destroy_distributed, free_port, init_distributed
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
-
-
-class WorkerError(RuntimeError):
-    """A worker raised: carries the rank, the method and the worker-side traceback."""
-
-    def __init__(self, rank: int, method: str, details: str):
-        super().__init__(f"rank {rank} failed in {method}():\n{details}")
-        self.rank = rank
-        self.method = method
-        self.details = details
-
-    def __reduce__(self):  # picklable across the Ray boundary
-        return (WorkerError, (self.rank, self.method, self.details))
 
 
 class RankHost:
@@ -82,8 +69,8 @@ class RankHost:
             self.owns_process_group = init_distributed(dev, rank=self.rank, world_size=self.world_size,
                                                        master_addr=master_addr, master_port=master_port)
             self.worker = worker_cls(*args, **kwargs)
-        except Exception:
-            raise WorkerError(self.rank, f"{worker_cls.__name__}.__init__", traceback.format_exc()) from None
+        except Exception as exc:
+            raise WorkerError.from_exception(self.rank, f"{worker_cls.__name__}.__init__", exc) from None
 
     def execute(self, method: str, args: tuple, kwargs: dict) -> Any:
         """Call ``worker.method(*args, **kwargs)``; failures become WorkerError with this rank's traceback."""
@@ -92,8 +79,8 @@ class RankHost:
             if fn is None or method.startswith("_"):
                 raise AttributeError(f"{type(self.worker).__name__} has no public method {method!r}")
             return fn(*args, **kwargs)
-        except Exception:
-            raise WorkerError(self.rank, method, traceback.format_exc()) from None
+        except Exception as exc:
+            raise WorkerError.from_exception(self.rank, method, exc) from None
 
     def shutdown(self) -> None:
         """Close the worker and leave the process group (if this host created it)."""
@@ -246,7 +233,8 @@ class RayGroup(WorkerGroup):
                 except ray.exceptions.RayTaskError as exc:
                     cause = getattr(exc, "cause", None)
                     if isinstance(cause, WorkerError):
-                        raise WorkerError(cause.rank, cause.method, cause.details) from None
+                        raise WorkerError(cause.rank, cause.method, cause.details, cause.summary,
+                                          cause.user_error) from None
                     raise WorkerError(rank_of[ref], method, str(exc)) from None
                 except ray.exceptions.RayActorError as exc:
                     raise WorkerError(rank_of[ref], method, f"the worker process died: {exc}") from None
