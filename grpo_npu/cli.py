@@ -13,7 +13,7 @@ from typing import Callable
 from grpo_npu import env
 from grpo_npu.errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_SIGNAL_BASE, EXIT_STOPPED, ConfigError,
                              StoppedBySignal, TrainingStopped, WorkerError)
-from grpo_npu.logs import current_log, debug_mode, setup_logging
+from grpo_npu.logs import current_log, debug_mode
 
 # The exit-code table (README "What happens when things go wrong"):
 #   0 complete | 1 stopped by policy (bad steps, too many failed rewards) | 2 bad input (one line naming the

@@ -28,6 +28,10 @@ class TrainingStopped(RuntimeError):
     """The run stopped itself (too many consecutive bad steps); a checkpoint of the last good state exists."""
 
 
+class StepTimeout(TrainingStopped):
+    """A step outlived trainer.step_timeout_s: some ranks did not answer in time (hung, stopped, node gone)."""
+
+
 class StoppedBySignal(RuntimeError):
     """SIGINT/SIGTERM stopped the run after a step (a checkpoint was saved if saving is on)."""
 

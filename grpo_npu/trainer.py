@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -33,7 +35,7 @@ from grpo_npu.reward.sandbox import SandboxSettings
 from grpo_npu.reward.score import make_compute_score
 from grpo_npu.rollout import logp_diff_metrics, training_sampling, validation_sampling
 from grpo_npu.rollout.base import SamplingConfig
-from grpo_npu.run_control import StopRequest, Timer
+from grpo_npu.run_control import StopRequest, Timer, Watchdog
 from grpo_npu.rundir import RunDirLock, prepare_fresh_start
 from grpo_npu.samples import decode_samples, write_jsonl
 from grpo_npu.step_limits import StepLimits
@@ -125,10 +127,11 @@ class Trainer:
             self.tracker.log(last, step=self.global_step)
         if t.val_only:
             return last
-        with StopRequest() as stop:
+        with StopRequest() as stop, Watchdog(t.step_timeout_s) as watchdog:
             while self.global_step < self.total_steps:
                 step = self.global_step + 1
                 timer = Timer()
+                self.workers.group.deadline = watchdog.start_step(step, timer)
                 with timer("step"):
                     batch, metrics = self.rollout_and_reward(step, timer)
                     rows = (batch.prompt_lengths.tolist(), batch.response_lengths.tolist())  # generation order
@@ -155,11 +158,14 @@ class Trainer:
                     metrics["timing_s/save_checkpoint"] = self.save_checkpoint()
                 self.tracker.log(metrics, step=step)
                 self._dump_rollout(batch, step)
+                watchdog.end_step()
+                stop.step_done.set()
                 last = metrics
                 if stop.requested:
                     saved = (f"checkpoint saved in {self.run_dir}; resume with trainer.resume_mode=auto"
                              if t.save_freq > 0 else "no checkpoint (trainer.save_freq <= 0)")
                     raise StoppedBySignal(stop.signum, f"stopped by {stop.requested} at step {step}, {saved}")
+        self.workers.group.deadline = None
         return last
 
     def _save_plan(self) -> str:

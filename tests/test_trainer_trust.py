@@ -193,3 +193,50 @@ def test_a_fresh_start_into_a_used_directory_refuses_or_moves_the_old_run_aside(
     (old,) = (run_dir / "previous_runs").iterdir()
     assert (old / "global_step_1").is_dir() and len((old / "metrics.jsonl").read_text().splitlines()) == 1
     assert sorted(p.name for p in run_dir.glob("global_step_*")) == ["global_step_1", "global_step_2"]
+
+
+def test_a_hung_rank_ends_the_run_in_bounded_time_naming_it(tiny_model_path, task, tmp_path):
+    """SIGSTOP one Ray rank mid-run: the step deadline (trainer.step_timeout_s) ends the run with one line naming
+    the call and the rank, exit 1, and no checkpoint of the unfinished step."""
+    from grpo_npu.workers.reaper import descendants
+
+    run_dir = tmp_path / "run"
+    argv = args(tiny_model_path, task, run_dir, "trainer.total_training_steps=50", "trainer.save_freq=1",
+                "trainer.n_gpus_per_node=2", "ray_init.num_cpus=2", "trainer.step_timeout_s=15",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2")
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_npu.main_ppo", *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    stopped = None
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.time() + 240
+        while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        ranks = [pid for pid in descendants([proc.pid]) if "RankHost" in _cmdline(pid)]
+        assert ranks, "no Ray rank processes found under the trainer"
+        stopped = ranks[-1]
+        os.kill(stopped, signal.SIGSTOP)
+        stopped_at = time.time()
+        _, err = proc.communicate(timeout=120)
+        took = time.time() - stopped_at
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert took < 60, f"took {took:.0f} s"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stopped: rank") and "did not answer" in last and "step deadline" in last, last
+    done = max(json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+    assert sorted(int(p.name.split("_")[-1]) for p in run_dir.glob("global_step_*"))[-1] <= done
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:  # gone meanwhile
+        return ""

@@ -264,6 +264,8 @@ class TrainerConfig:
     """Kept for verl compatibility (critic state lives in the same checkpoint)."""
     seed: int = 42
     """Seed of model init noise, sampling and every RNG."""
+    step_timeout_s: float = 1800.0
+    """Longest a training step may take: past it the run stops (exit 1) naming the phase and the ranks that did not answer."""
     max_bad_steps: int = 3
     """Stop (with a checkpoint of the last good state if save_freq > 0) after this many consecutive bad steps."""
     ray_wait_register_center_timeout: int = 300

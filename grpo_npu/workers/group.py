@@ -24,6 +24,7 @@ import abc
 import logging
 import os
 import socket
+import time
 from typing import Any, Sequence
 
 import ray
@@ -31,13 +32,17 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from grpo_npu.batch import RolloutBatch
-from grpo_npu.errors import WorkerError
+from grpo_npu.errors import StepTimeout, WorkerError
 from grpo_npu.device import get_device
 from grpo_npu.workers.fsdp import destroy_distributed, free_port, init_distributed
+from grpo_npu.workers.reaper import ray_node_pids, start_reaper
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+# How long close() lets the workers shut down (close engines, leave the process group) before killing them:
+# a rank that is hung or stopped must not hold the driver's exit for long.
+CLOSE_TIMEOUT_S = 15.0
 
 
 class RankHost:
@@ -108,9 +113,15 @@ def _node_id() -> str:
 # The interface
 # ================================================================================================
 class WorkerGroup(abc.ABC):
-    """``world_size`` ranks running the same worker class; calls return one result per rank."""
+    """``world_size`` ranks running the same worker class; calls return one result per rank.
+
+    ``deadline`` (monotonic seconds, set by the trainer per step): a call still waiting for ranks then raises
+    StepTimeout naming the method and those ranks. An in-process group cannot interrupt its own rank: the
+    trainer's watchdog thread covers it.
+    """
 
     world_size: int
+    deadline: float | None = None
 
     @abc.abstractmethod
     def call_ranks(self, method: str, per_rank_args: Sequence[tuple], **kwargs: Any) -> list[Any]:
@@ -180,9 +191,11 @@ class RayGroup(WorkerGroup):
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
             address = os.environ.get("RAY_ADDRESS")
-            # num_cpus only describes a cluster we start ourselves; an existing cluster has its own.
-            ray.init(address=address, num_cpus=None if address else ray_num_cpus, ignore_reinit_error=True,
-                     log_to_driver=True)
+            # num_cpus only describes a cluster we start ourselves; an existing cluster has its own. Without
+            # RAY_ADDRESS a new local cluster is started ("local"), never one some other job left running here.
+            ray.init(address=address or "local", num_cpus=None if address else ray_num_cpus,
+                     ignore_reinit_error=True, log_to_driver=True)
+            self.reaper = start_reaper(os.getpid(), ray_node_pids())  # the cluster dies with this driver
         dev = get_device(device_kind)
         resource = dev.ray_resource
         bundle: dict[str, float] = {"CPU": num_cpus_per_worker}
@@ -226,7 +239,13 @@ class RayGroup(WorkerGroup):
         rank_of = {ref: r for r, ref in enumerate(refs)}
         pending = list(refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            wait_s = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+            done, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            if not done:  # the deadline passed with ranks still working (hung, stopped, or their node gone)
+                ranks = sorted(rank_of[ref] for ref in pending)
+                raise StepTimeout(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} did not answer "
+                                  f"{method}() before the step deadline (trainer.step_timeout_s); no checkpoint of "
+                                  "this step")
             for ref in done:
                 try:
                     ray.get(ref)
@@ -248,7 +267,7 @@ class RayGroup(WorkerGroup):
         refs = [a.execute.remote(method, tuple(args), kwargs) for a, args in zip(self.actors, per_rank_args)]
         return self._gather(refs, method)
 
-    def close(self, timeout_s: float = 60) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         if self.closed:
             return
         self.closed = True
@@ -261,3 +280,6 @@ class RayGroup(WorkerGroup):
             ray.util.remove_placement_group(self.pg)
             if self.owns_ray:
                 ray.shutdown()
+        if getattr(self, "reaper", None) is not None:  # the cluster is down: nothing left to watch over
+            self.reaper.kill()
+            self.reaper.wait()
