@@ -101,10 +101,11 @@ def test_two_nodes_one_rank_each_equal_one_node(tiny_model_path, task, tmp_path)
 
 def test_fewer_nodes_than_nnodes_is_one_line():
     with two_node_cluster():
-        with pytest.raises(UserError, match=r"trainer.nnodes=3 needs 3 Ray nodes .* the cluster has 2 such node") as info:
+        with pytest.raises(UserError, match=r"trainer.nnodes=3 needs 3 Ray nodes .* the cluster has 2 such node") \
+                as info:
             RayGroup(HybridWorker, world_size=3, nnodes=3, device_kind="cpu", start_timeout_s=5)
-        # a node too small for its share counts as missing: 3 CPUs on each of 2 nodes
+        assert "\n" not in str(info.value)
+        # a node too small for its share counts as missing: 3 ranks a node need 3 CPUs, these nodes have 2
         with pytest.raises(UserError, match=r"trainer.nnodes=2 needs 2 Ray nodes with \{'CPU': 3\} each, but the "
                                             r"cluster has 0 such node\(s\) \(2 alive\)"):
             RayGroup(HybridWorker, world_size=6, nnodes=2, device_kind="cpu", start_timeout_s=5)
-        assert "\n" not in str(info.value)
