@@ -34,9 +34,8 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from grpo_npu.batch import RolloutBatch
-from grpo_npu.errors import WorkerError
+from grpo_npu.errors import UserError, WorkerError
 from grpo_npu.device import get_device
-from grpo_npu.errors import UserError
 from grpo_npu.workers.fsdp import destroy_distributed, free_port, init_distributed
 
 log = logging.getLogger(__name__)
