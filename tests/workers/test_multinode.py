@@ -31,7 +31,7 @@ CPUS_PER_NODE = 2
 NODE_START_TIMEOUT_S = 60
 # The job both runs share: GRPO with a KL loss (so the reference model runs on both ranks too).
 JOB = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.actor.use_kl_loss=True",
-       "trainer.save_freq=2", "trainer.ray_wait_register_center_timeout=120")
+       "trainer.save_freq=-1", "trainer.ray_wait_register_center_timeout=120")
 
 
 @pytest.fixture(scope="module")
