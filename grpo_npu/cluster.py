@@ -26,11 +26,11 @@ RANK_SEED_STRIDE = 1_000_003
 
 
 def make_group(cfg: Config, worker_cls: type, args: tuple) -> WorkerGroup:
-    """LocalGroup for a single device without RAY_ADDRESS, else one Ray actor per device."""
+    """LocalGroup for a single device without RAY_ADDRESS, else one Ray actor per device (n_gpus_per_node per node)."""
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     if world == 1 and not os.environ.get("RAY_ADDRESS"):
         return LocalGroup(worker_cls, device_kind=cfg.trainer.device, args=args)
-    return RayGroup(worker_cls, world_size=world, device_kind=cfg.trainer.device, args=args,
+    return RayGroup(worker_cls, world_size=world, nnodes=cfg.trainer.nnodes, device_kind=cfg.trainer.device, args=args,
                     ray_num_cpus=cfg.ray_init.num_cpus, start_timeout_s=cfg.trainer.ray_wait_register_center_timeout)
 
 

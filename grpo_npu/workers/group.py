@@ -13,9 +13,12 @@ traceback, as soon as the first rank fails (the other ranks may be stuck in a co
 - :class:`LocalGroup`: one rank in this process (a world-size-1 process group), so the same code
   path runs without Ray.
 - :class:`RayGroup`: one Ray actor per device (``trainer.nnodes x trainer.n_gpus_per_node``), each
-  holding one device through Ray's ``NPU`` / ``GPU`` resource (CPU-only: one CPU each), placed with
-  a PACK placement group so ranks fill nodes in order. ``ray.init`` joins ``RAY_ADDRESS`` when set
-  (a real multi-node cluster), else starts a local one with ``ray_init.num_cpus``.
+  holding one device through Ray's ``NPU`` / ``GPU`` resource (CPU-only: one CPU each). ``nnodes``
+  means nodes: a STRICT_SPREAD placement group holds one bundle per node (that node's devices and
+  CPUs), so no two bundles share a node; rank r runs in bundle r // n_gpus_per_node, and the bundle on
+  the driver's node (if any) holds ranks 0.. so rank 0's files land beside the driver's. A cluster with
+  fewer fitting nodes than ``nnodes`` is refused in one line. ``ray.init`` joins ``RAY_ADDRESS`` when
+  set (a real multi-node cluster), else starts a local one with ``ray_init.num_cpus``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from grpo_npu.batch import RolloutBatch
-from grpo_npu.errors import StepTimeout, WorkerError
+from grpo_npu.errors import StepTimeout, UserError, WorkerError
 from grpo_npu.device import get_device
 from grpo_npu.workers.fsdp import destroy_distributed, free_port, init_distributed
 from grpo_npu.workers.reaper import ray_node_pids, start_reaper
@@ -109,6 +112,34 @@ def _node_id() -> str:
     return socket.gethostname()
 
 
+def _reserve_nodes(nnodes: int, node_bundle: dict[str, float], timeout_s: float) -> Any:
+    """A ready STRICT_SPREAD placement group of ``nnodes`` bundles, one per node; one line when it cannot be."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    fit = [n for n in alive if all(n["Resources"].get(k, 0) >= v for k, v in node_bundle.items())]
+    if len(fit) < nnodes:  # Ray would wait for nodes that are not there
+        raise UserError(
+            f"trainer.nnodes={nnodes} needs {nnodes} Ray nodes with {node_bundle} each, but the cluster has "
+            f"{len(fit)} such node(s) ({len(alive)} alive): join more with `ray start --address=...`, point "
+            "RAY_ADDRESS at the cluster, or lower trainer.nnodes / trainer.n_gpus_per_node")
+    pg = placement_group([dict(node_bundle) for _ in range(nnodes)], strategy="STRICT_SPREAD")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        free = ray.available_resources()
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(
+            f"Ray could not place {nnodes} bundle(s) of {node_bundle}, one per node, within {timeout_s:.0f}s "
+            f"(free in the cluster: {free}); check trainer.nnodes x trainer.n_gpus_per_node and what else "
+            "holds the cluster's devices")
+    return pg
+
+
+def _driver_node_first(pg: Any, nnodes: int) -> list[int]:
+    """The placement group's bundle indices, the one on the driver's node (if any) first."""
+    where = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    here = ray.get_runtime_context().get_node_id()
+    return sorted(range(nnodes), key=lambda b: where[b] != here)
+
+
 # ================================================================================================
 # The interface
 # ================================================================================================
@@ -170,13 +201,17 @@ class LocalGroup(WorkerGroup):
 
 
 class RayGroup(WorkerGroup):
-    """One Ray actor per rank (per device), in a PACK placement group."""
+    """One Ray actor per rank (per device); each node's ranks share one bundle of a STRICT_SPREAD placement group.
+
+    ``node_ids[r]`` is the Ray node id rank r runs on.
+    """
 
     def __init__(
         self,
         worker_cls: type,
         *,
         world_size: int,
+        nnodes: int = 1,
         device_kind: str = "auto",
         args: tuple = (),
         kwargs: dict | None = None,
@@ -184,8 +219,9 @@ class RayGroup(WorkerGroup):
         ray_num_cpus: int | None = None,
         start_timeout_s: float = 300,
     ):
-        if world_size < 1:
-            raise ValueError(f"RayGroup needs world_size >= 1, got {world_size}")
+        if world_size < 1 or nnodes < 1 or world_size % nnodes:
+            raise ValueError(f"RayGroup needs world_size >= 1 split evenly over nnodes >= 1, got {world_size} "
+                             f"over {nnodes}")
         self.world_size = world_size
         self.closed = False
         self.owns_ray = not ray.is_initialized()
@@ -198,34 +234,35 @@ class RayGroup(WorkerGroup):
             self.reaper = start_reaper(os.getpid(), ray_node_pids())  # the cluster dies with this driver
         dev = get_device(device_kind)
         resource = dev.ray_resource
-        bundle: dict[str, float] = {"CPU": num_cpus_per_worker}
+        per_node = world_size // nnodes
+        node_bundle: dict[str, float] = {"CPU": num_cpus_per_worker * per_node}
         if resource:
-            bundle[resource] = 1
-        self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
-        ready, _ = ray.wait([self.pg.ready()], timeout=start_timeout_s)
-        if not ready:
-            ray.util.remove_placement_group(self.pg)
-            raise RuntimeError(
-                f"Ray could not place {world_size} workers with {bundle} each within {start_timeout_s:.0f}s "
-                f"(cluster resources: {ray.cluster_resources()}); check trainer.nnodes x trainer.n_gpus_per_node"
-            )
+            node_bundle[resource] = per_node
+        try:
+            self.pg = _reserve_nodes(nnodes, node_bundle, start_timeout_s)
+        except BaseException:
+            if self.owns_ray:
+                ray.shutdown()
+            raise
         options: dict[str, Any] = {"num_cpus": num_cpus_per_worker}
         if resource == "GPU":
             options["num_gpus"] = 1
         elif resource:
             options["resources"] = {resource: 1}
         remote_host = ray.remote(RankHost)
+        bundles = _driver_node_first(self.pg, nnodes)
         self.actors = [
             remote_host.options(
                 **options,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=bundles[r // per_node]),
             ).remote(r, world_size, dev.kind)
             for r in range(world_size)
         ]
         try:
-            node_ids = self._gather([a.node_id.remote() for a in self.actors], "node_id")
+            self.node_ids: list[str] = self._gather([a.node_id.remote() for a in self.actors], "node_id")
             addr, port = self._gather([self.actors[0].address.remote()], "address")[0]
-            local_ranks = [node_ids[:r].count(node_ids[r]) for r in range(world_size)]
+            local_ranks = [self.node_ids[:r].count(self.node_ids[r]) for r in range(world_size)]
             self._gather(
                 [a.setup.remote(addr, port, local_ranks[r], worker_cls, args, kwargs or {}) for r, a in enumerate(self.actors)],
                 "setup",
