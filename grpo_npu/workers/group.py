@@ -243,6 +243,7 @@ class RayGroup(WorkerGroup):
         except BaseException:
             if self.owns_ray:
                 ray.shutdown()
+                self._stop_reaper()
             raise
         options: dict[str, Any] = {"num_cpus": num_cpus_per_worker}
         if resource == "GPU":
@@ -317,6 +318,11 @@ class RayGroup(WorkerGroup):
             ray.util.remove_placement_group(self.pg)
             if self.owns_ray:
                 ray.shutdown()
-        if getattr(self, "reaper", None) is not None:  # the cluster is down: nothing left to watch over
+        self._stop_reaper()
+
+    def _stop_reaper(self) -> None:
+        """The cluster is down: nothing left to watch over (and its pids must not be killed once reused)."""
+        if getattr(self, "reaper", None) is not None:
             self.reaper.kill()
             self.reaper.wait()
+            self.reaper = None
