@@ -271,3 +271,12 @@ class CheckpointManager:
                 raise UserError(f"trainer.resume_from_path={resume_from_path} is damaged: {problem}")
             return step, path
         raise ValueError(f"trainer.resume_mode={resume_mode!r}; known modes: {', '.join(RESUME_MODES)}")
+
+
+def save_plan(save_freq: int, total_steps: int, run_dir: os.PathLike, max_to_keep: int | None, contents) -> str:
+    """One line for the start of a run: what will be saved, when and where (verl: nothing unless save_freq > 0)."""
+    if save_freq <= 0:
+        return f"checkpoints: none (trainer.save_freq={save_freq}); metrics go to {run_dir}"
+    keep = f", keeping the newest {max_to_keep}" if max_to_keep else ""
+    return (f"checkpoints: every {save_freq} steps and at step {total_steps} into {run_dir}{keep} "
+            f"(contents: {', '.join(contents)})")

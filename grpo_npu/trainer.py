@@ -20,7 +20,7 @@ from grpo_npu.algo.advantages import compute_advantage
 from grpo_npu.algo.dapo import filter_groups
 from grpo_npu.algo.kl import apply_kl_in_reward, make_kl_controller
 from grpo_npu.batch import RolloutBatch, balance_order, cat_right_padded
-from grpo_npu.checkpoint import CheckpointManager, load_state_file
+from grpo_npu.checkpoint import CheckpointManager, load_state_file, save_plan
 from grpo_npu.cluster import Workers
 from grpo_npu.data.rl_dataset import PromptBatch, PromptLoader, RLDataset
 from grpo_npu.data.tokenizer import load_tokenizer
@@ -121,7 +121,8 @@ class Trainer:
                         "train; raise trainer.total_training_steps to continue it, or use a new "
                         "trainer.default_local_dir", self.run_dir, self.global_step, self.total_steps)
             return last
-        log.info(self._save_plan())
+        log.info(save_plan(t.save_freq, self.total_steps, self.run_dir, t.max_actor_ckpt_to_keep,
+                           self.cfg.actor_rollout_ref.actor.checkpoint.save_contents))
         if t.val_before_train and self.val_set is not None:
             last = self.validate()
             self.tracker.log(last, step=self.global_step)
@@ -167,15 +168,6 @@ class Trainer:
                     raise StoppedBySignal(stop.signum, f"stopped by {stop.requested} at step {step}, {saved}")
         self.workers.group.deadline = None
         return last
-
-    def _save_plan(self) -> str:
-        """One line: what will be saved, when and where (verl: nothing at all unless save_freq > 0)."""
-        t = self.cfg.trainer
-        if t.save_freq <= 0:
-            return f"checkpoints: none (trainer.save_freq={t.save_freq}); metrics go to {self.run_dir}"
-        keep = f", keeping the newest {t.max_actor_ckpt_to_keep}" if t.max_actor_ckpt_to_keep else ""
-        return (f"checkpoints: every {t.save_freq} steps and at step {self.total_steps} into "
-                f"{self.run_dir}{keep} (contents: {', '.join(self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)})")
 
     # ------------------------------------------------------------------------------------------
     # Phases

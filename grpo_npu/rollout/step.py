@@ -1,6 +1,6 @@
 """One rollout step in a colocated (hybrid) worker: the documented sleep/wake order, in one place.
 
-The actor and the rollout engine share one device. Per step (npu_reference.md section 4):
+The actor and the rollout engine share one device. Per step:
 
     expandable segments off        the sleep-mode allocator refuses expandable segments
     wake_up(["weights"])           weight memory back (level 1: copied back from host; level 2: empty)

@@ -17,7 +17,7 @@ import torch
 from grpo_npu.config import OptimConfig
 from grpo_npu.workers.names import OPTIM_IMPLS, WARMUP_STYLES
 
-# Devices whose fused AdamW kernel torch itself ships (torch_npu's is not in npu_reference.md: NPU gets foreach).
+# Devices whose fused AdamW kernel torch itself ships (torch_npu's fused AdamW is not among the ops docs/npu.md lists: NPU gets foreach).
 FUSED_DEVICES = ("cpu", "cuda")
 
 
