@@ -98,9 +98,10 @@ def test_read_metrics_merges_lines_and_skips_garbage(tmp_path):
 def test_console_line_and_progress_bar(tmp_path, capsys):
     metrics = _step_metrics(2) | {"val-core/openai/gsm8k/reward/mean@1": 0.4567}
     line = format_console_line(metrics, 2, 10)
-    assert line == ("step 2/10 | score 0.200 | resp_len 22.0 | kl 0.002 | grad_norm 0.5 | "
-                    "throughput 1002 tok/s/dev | step_time 2.0s | openai/gsm8k/reward/mean@1 0.457")
-    assert format_console_line({"actor/ppo_kl": 0.25}, 1, None) == "step 1 | ppo_kl 0.25"
+    assert line == ("step 2/10 | critic/score/mean 0.200 | actor/kl_loss 0.002 | actor/entropy 1.300 | response_length/mean 22.0 | "
+                    "actor/grad_norm 0.5 | perf/throughput 1002 | timing_s/step 2.00 | "
+                    "val-core/openai/gsm8k/reward/mean@1 0.457")
+    assert format_console_line({"actor/pg_loss": 0.25}, 1, None) == "step 1 | actor/pg_loss 0.25"
 
     tracker = make(tmp_path, ("console",), total_steps=3, progress=True)
     for step in (1, 2, 3):
@@ -116,14 +117,14 @@ def test_console_line_and_progress_bar(tmp_path, capsys):
     resumed.log({"critic/score/mean": 1.0}, step=4)
     resumed.close()
     out, err = capsys.readouterr()
-    assert out == "step 4/5 | score 1.000\n" and "3/5" in err and "4/5" in err
+    assert out == "step 4/5 | critic/score/mean 1.000\n" and "3/5" in err and "4/5" in err
 
 
 def test_progress_bar_off_when_not_a_terminal(tmp_path, capsys):
     with make(tmp_path, ("console",), total_steps=2) as tracker:  # progress=None: pytest's stderr is no tty
         tracker.log({"critic/score/mean": 1.0}, step=1)
     out, err = capsys.readouterr()
-    assert out == "step 1/2 | score 1.000\n" and err == ""
+    assert out == "step 1/2 | critic/score/mean 1.000\n" and err == ""
 
 
 def test_sinks_match_the_config_choices():
@@ -314,3 +315,11 @@ def test_real_wandb_offline_if_installed(tmp_path, monkeypatch):
     with make(tmp_path, ("wandb",), project="p", experiment="e", config_dict={"a": 1}) as tracker:
         tracker.log({"critic/score/mean": 1.0}, step=1)
     assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_metrics_jsonl_is_written_whatever_the_loggers(tmp_path, capsys):
+    """trainer.logger=['console'] (verl's quickstart) still leaves metrics.jsonl for compare_runs and resume."""
+    with make(tmp_path, ("console",), total_steps=1, progress=False) as tracker:
+        tracker.log(_step_metrics(1), step=1)
+    assert _lines(tmp_path / METRICS_FILE) == [{"step": 1, **_step_metrics(1)}]
+    assert capsys.readouterr().out.startswith("step 1/1 | critic/score/mean 0.100 | actor/kl_loss")

@@ -48,7 +48,8 @@ class Tracker:
         self.history: dict[int, dict[str, float]] = {}
         self.sinks: dict[str, Sink] = {}
         try:
-            for name in dict.fromkeys(loggers):  # de-duplicated, order kept
+            # metrics.jsonl is written whatever trainer.logger says: compare_runs and resume read it.
+            for name in dict.fromkeys(("jsonl", *loggers)):  # de-duplicated, order kept
                 self.sinks[name] = make_sink(name, info)
         except BaseException:
             self._close_sinks()

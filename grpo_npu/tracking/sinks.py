@@ -87,27 +87,25 @@ def read_metrics(path: str | os.PathLike) -> dict[int, dict[str, Any]]:
 # Console line
 # ============================================================================================
 # (label, candidate keys -- the first one present is shown, format)
-CONSOLE_FIELDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("score", ("critic/score/mean",), "{:.3f}"),
-    ("resp_len", ("response_length/mean",), "{:.1f}"),
-    ("kl", ("actor/kl_loss", "actor/ppo_kl"), "{:.3g}"),
-    ("grad_norm", ("actor/grad_norm",), "{:.3g}"),
-    ("throughput", ("perf/throughput",), "{:.0f} tok/s/dev"),
-    ("step_time", ("timing_s/step",), "{:.1f}s"),
+# The console's line per step: the key metrics under verl's names (every metric goes to metrics.jsonl).
+CONSOLE_FIELDS: tuple[tuple[str, str], ...] = (
+    ("critic/score/mean", "{:.3f}"),
+    ("actor/pg_loss", "{:.3g}"),
+    ("actor/kl_loss", "{:.3g}"),
+    ("actor/entropy", "{:.3f}"),
+    ("response_length/mean", "{:.1f}"),
+    ("actor/grad_norm", "{:.3g}"),
+    ("perf/throughput", "{:.0f}"),
+    ("timing_s/step", "{:.2f}"),
 )
 VAL_PREFIX = "val-core/"
 
 
 def format_console_line(metrics: Mapping[str, float], step: int, total_steps: int | None) -> str:
-    """One compact line: step, reward, response length, KL, grad norm, throughput, step time, val-core/*."""
+    """One line under verl's metric names: the CONSOLE_FIELDS this step has, then every val-core/* metric."""
     parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
-    for label, keys, fmt in CONSOLE_FIELDS:
-        key = next((k for k in keys if k in metrics), None)
-        if key is not None:
-            name = "ppo_kl" if key == "actor/ppo_kl" else label
-            parts.append(f"{name} {fmt.format(metrics[key])}")
-    for key in sorted(k for k in metrics if k.startswith(VAL_PREFIX)):
-        parts.append(f"{key[len(VAL_PREFIX):]} {metrics[key]:.3f}")
+    parts += [f"{key} {fmt.format(metrics[key])}" for key, fmt in CONSOLE_FIELDS if key in metrics]
+    parts += [f"{key} {metrics[key]:.3f}" for key in sorted(k for k in metrics if k.startswith(VAL_PREFIX))]
     return " | ".join(parts)
 
 
