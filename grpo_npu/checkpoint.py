@@ -21,6 +21,7 @@ directories.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import logging
@@ -280,3 +281,17 @@ def save_plan(save_freq: int, total_steps: int, run_dir: os.PathLike, max_to_kee
     keep = f", keeping the newest {max_to_keep}" if max_to_keep else ""
     return (f"checkpoints: every {save_freq} steps and at step {total_steps} into {run_dir}{keep} "
             f"(contents: {', '.join(contents)})")
+
+
+def optim_settings(cfg) -> dict[str, dict]:
+    """The ``*.optim`` sections a checkpoint records (plain data), to tell a resume what changed."""
+    sections = {"actor_rollout_ref.actor.optim": cfg.actor_rollout_ref.actor.optim, "critic.optim": cfg.critic.optim}
+    return {key: {f.name: (list(v) if isinstance(v := getattr(o, f.name), tuple) else v)
+                  for f in dataclasses.fields(o)} for key, o in sections.items()}
+
+
+def changed_settings(saved: dict[str, dict], now: dict[str, dict]) -> list[str]:
+    """``key old -> new`` for every setting that differs (checkpoints from before this record nothing)."""
+    return [f"{section}.{name} {saved[section][name]!r} -> {value!r}"
+            for section, fields in now.items() if section in saved
+            for name, value in fields.items() if name in saved[section] and saved[section][name] != value]

@@ -20,7 +20,7 @@ from grpo_npu.algo.advantages import compute_advantage
 from grpo_npu.algo.dapo import filter_groups
 from grpo_npu.algo.kl import apply_kl_in_reward, make_kl_controller
 from grpo_npu.batch import RolloutBatch, balance_order, cat_right_padded
-from grpo_npu.checkpoint import CheckpointManager, load_state_file, save_plan
+from grpo_npu.checkpoint import CheckpointManager, changed_settings, load_state_file, optim_settings, save_plan
 from grpo_npu.cluster import Workers
 from grpo_npu.data.rl_dataset import PromptBatch, PromptLoader, RLDataset
 from grpo_npu.data.tokenizer import load_tokenizer
@@ -329,6 +329,7 @@ class Trainer:
                 "kl_ctrl": self.kl_ctrl.state_dict(),
                 "rng": self.device.get_rng_state(),
                 "world_size": self.world_size,
+                "optim": optim_settings(self.cfg),
             }, tmp / TRAINER_STATE)
         except BaseException:
             self.ckpt.abort(tmp)
@@ -348,6 +349,9 @@ class Trainer:
         self.device.set_rng_state(state["rng"])
         self.global_step = int(state["global_step"])
         self.tracker.truncate_after(self.global_step)
+        changed = changed_settings(state.get("optim", {}), optim_settings(self.cfg))
+        if changed:
+            log.warning("resumed with changed optimizer settings, honoured from here on: %s", "; ".join(changed))
         saved_world = int(state.get("world_size", self.world_size))
         if saved_world != self.world_size:
             log.warning("resumed on %d ranks from a checkpoint written by %d: model and optimizer resharded, data "

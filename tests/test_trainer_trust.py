@@ -240,3 +240,16 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:  # gone meanwhile
         return ""
+
+
+def test_changed_optimizer_settings_on_resume_are_honoured_with_a_warning(tiny_model_path, task, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    fit(args(tiny_model_path, task, run_dir, "trainer.save_freq=1", "trainer.total_training_steps=1",
+             "actor_rollout_ref.actor.optim.lr=1e-3"))
+    with caplog.at_level(logging.WARNING):
+        last = fit(args(tiny_model_path, task, run_dir, "trainer.save_freq=1", "trainer.total_training_steps=2",
+                        "actor_rollout_ref.actor.optim.lr=2e-4", "actor_rollout_ref.actor.optim.weight_decay=0.05"))
+    assert "resumed with changed optimizer settings, honoured from here on" in caplog.text
+    assert "actor_rollout_ref.actor.optim.lr 0.001 -> 0.0002" in caplog.text
+    assert "actor_rollout_ref.actor.optim.weight_decay 0.01 -> 0.05" in caplog.text
+    assert last["actor/lr"] == pytest.approx(2e-4)  # constant schedule: the new peak lr, not the checkpoint's

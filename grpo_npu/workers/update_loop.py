@@ -100,6 +100,7 @@ class UpdateLoop:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, optim, device_type=optimizer_device(dev, fsdp_cfg))
         self.scheduler = build_scheduler(self.optimizer, optim, total_steps=total_steps)
+        self.optim = optim
         self.shuffle = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
         self.grad_clip = grad_clip
         self.param_offload = fsdp_cfg.param_offload
@@ -155,9 +156,22 @@ class UpdateLoop:
                 "shuffle": self.shuffle.get_state() if self.shuffle is not None else None}
 
     def load_extra(self, extra: dict) -> None:
+        """Restore the schedule position and shuffle state; this run's ``*.optim`` settings win.
+
+        The checkpoint's optimizer state carries the peak lr, betas, eps and weight decay it was written with,
+        and the scheduler its peak lr; a resume with changed settings honours the new ones (the trainer warns,
+        listing them). The schedule's shape (warmup, style, span) always comes from this run's config.
+        """
         self.scheduler.load_state_dict(extra["scheduler"])
         if self.shuffle is not None and extra.get("shuffle") is not None:
             self.shuffle.set_state(extra["shuffle"])
+        o = self.optim
+        self.scheduler.base_lrs = [o.lr] * len(self.optimizer.param_groups)
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group.update(lr=o.lr * factor, initial_lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                         weight_decay=o.weight_decay)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 
 class _Totals:
