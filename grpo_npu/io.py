@@ -22,6 +22,14 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 _NEW_FILE_MODE = 0o666  # what open() would create, before the umask
+_NEW_DIR_MODE = 0o777  # what mkdir() would create, before the umask
+
+
+def current_umask() -> int:
+    """The process umask (read by setting and restoring it: the only portable way)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -60,9 +68,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
         fsync_path(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, _NEW_FILE_MODE & ~umask)  # mkstemp makes 0600; give the usual new-file mode
+        os.chmod(tmp, _NEW_FILE_MODE & ~current_umask())  # mkstemp makes 0600; give the usual new-file mode
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -90,6 +96,7 @@ def commit_dir(tmp: str | os.PathLike, final: str | os.PathLike, trash: str | os
     delete once its own commit point is written; None when there was nothing to replace. The parent folder is fsync'd last.
     """
     tmp, final = Path(tmp), Path(final)
+    os.chmod(tmp, _NEW_DIR_MODE & ~current_umask())  # mkdtemp makes 0700: give the usual new-folder mode
     fsync_tree(tmp)
     old = None
     if final.exists():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,20 @@ def test_jsonl_appender_appends_and_cuts_a_torn_last_line(tmp_path):
     out.close()
     out.close()  # idempotent
     assert [json.loads(line) for line in path.read_text().splitlines()] == [{"step": 1}, {"step": 2, "x": 1.5}]
+
+
+def test_written_files_and_committed_folders_follow_the_umask(tmp_path, tiny_model_path):
+    """A team sharing data and run directories sets its umask; mkstemp/mkdtemp (0600/0700) must not override it."""
+    import stat
+
+    from grpo_npu.data.parquet import write_parquet_atomic
+    from grpo_npu.models.tiny import build_tiny_model
+
+    old = os.umask(0o002)
+    try:
+        parquet = write_parquet_atomic([{"a": 1}], tmp_path / "d.parquet")
+        kit = build_tiny_model(tmp_path / "cache")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(parquet.stat().st_mode) == 0o664
+    assert stat.S_IMODE(Path(kit).stat().st_mode) == 0o775
