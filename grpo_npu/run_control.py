@@ -21,9 +21,9 @@ import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
-from grpo_npu.errors import EXIT_STOPPED
+from grpo_npu.errors import EXIT_STOPPED, StoppedBySignal, WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,19 @@ class StopRequest:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+@contextmanager
+def stopped_workers_mean_signal(stop: StopRequest, step: Callable[[], int]) -> Iterator[None]:
+    """A worker error after SIGINT/SIGTERM is the same signal having stopped the workers (a process-group
+    signal, as a scheduler or Ctrl-C in a terminal sends): report the stop by signal, not the worker error."""
+    try:
+        yield
+    except WorkerError:
+        if not stop.requested:
+            raise
+        raise StoppedBySignal(stop.signum, f"stopped by {stop.requested} during step {step()}: the workers were "
+                                           "stopped by it too; no checkpoint of that step") from None
 
 
 class Watchdog:

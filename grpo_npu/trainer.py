@@ -35,7 +35,7 @@ from grpo_npu.reward.sandbox import SandboxSettings
 from grpo_npu.reward.score import make_compute_score
 from grpo_npu.rollout import logp_diff_metrics, training_sampling, validation_sampling
 from grpo_npu.rollout.base import SamplingConfig
-from grpo_npu.run_control import StopRequest, Timer, Watchdog
+from grpo_npu.run_control import StopRequest, Timer, Watchdog, stopped_workers_mean_signal
 from grpo_npu.rundir import RunDirLock, prepare_fresh_start
 from grpo_npu.samples import decode_samples, write_jsonl
 from grpo_npu.step_limits import StepLimits
@@ -128,7 +128,8 @@ class Trainer:
             self.tracker.log(last, step=self.global_step)
         if t.val_only:
             return last
-        with StopRequest() as stop, Watchdog(t.step_timeout_s) as watchdog:
+        with StopRequest() as stop, Watchdog(t.step_timeout_s) as watchdog, \
+                stopped_workers_mean_signal(stop, lambda: self.global_step + 1):
             while self.global_step < self.total_steps:
                 step = self.global_step + 1
                 timer = Timer()

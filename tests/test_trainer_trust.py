@@ -253,3 +253,33 @@ def test_changed_optimizer_settings_on_resume_are_honoured_with_a_warning(tiny_m
     assert "actor_rollout_ref.actor.optim.lr 0.001 -> 0.0002" in caplog.text
     assert "actor_rollout_ref.actor.optim.weight_decay 0.01 -> 0.05" in caplog.text
     assert last["actor/lr"] == pytest.approx(2e-4)  # constant schedule: the new peak lr, not the checkpoint's
+
+
+def test_a_process_group_sigterm_under_ray_ends_promptly_as_a_signal_stop(tiny_model_path, task, tmp_path):
+    """A scheduler's SIGTERM to the whole process group stops the Ray workers too: the run ends at once with
+    exit 143 and one line, not after Ray's reconnect timeouts and not as an internal error."""
+    run_dir = tmp_path / "run"
+    argv = args(tiny_model_path, task, run_dir, "trainer.total_training_steps=50", "trainer.save_freq=100",
+                "trainer.n_gpus_per_node=2", "ray_init.num_cpus=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2")
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_npu.main_ppo", *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            start_new_session=True)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.time() + 240
+        while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        sent = time.time()
+        _, err = proc.communicate(timeout=120)
+        took = time.time() - sent
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert took < 45, f"took {took:.0f} s"
+    assert err.strip().splitlines()[-1].startswith("stopped: stopped by SIGTERM ")

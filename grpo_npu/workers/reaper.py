@@ -77,14 +77,30 @@ def descendants(pids: list[int]) -> list[int]:
     return out
 
 
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc stat field 22): tells a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def watch(driver_pid: int, pids: list[int]) -> None:
+    """Poll the driver; meanwhile keep a snapshot of the cluster's process tree (when the driver dies the kernel
+    may kill the raylet first, orphaning its agents, so the tree must be known before); then kill the snapshot."""
+    tree: dict[int, int | None] = {}
     while alive(driver_pid):
+        tree = {pid: start_time(pid) for pid in descendants(pids)}
         time.sleep(POLL_S)
-    for pid in descendants(pids):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    for pid in descendants(pids):  # whatever is still attached
+        tree.setdefault(pid, start_time(pid))
+    for pid, started in tree.items():
+        if started is not None and start_time(pid) == started:  # the same process, not a reused pid
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 if __name__ == "__main__":
