@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 import logging
 import os
+import signal
 import socket
 import time
 from typing import Any, Sequence
@@ -229,8 +230,15 @@ class RayGroup(WorkerGroup):
             address = os.environ.get("RAY_ADDRESS")
             # num_cpus only describes a cluster we start ourselves; an existing cluster has its own. Without
             # RAY_ADDRESS a new local cluster is started ("local"), never one some other job left running here.
-            ray.init(address=address or "local", num_cpus=None if address else ray_num_cpus,
-                     ignore_reinit_error=True, log_to_driver=True)
+            # The cluster's processes start with SIGTERM blocked (Ray itself blocks SIGINT there): a signal to the
+            # whole process group (a scheduler's, Ctrl-C) reaches the driver alone, which finishes the step,
+            # checkpoints and shuts the cluster down itself; the reaper covers a driver that dies instead.
+            unblock = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            try:
+                ray.init(address=address or "local", num_cpus=None if address else ray_num_cpus,
+                         ignore_reinit_error=True, log_to_driver=True)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, unblock)
             self.reaper = start_reaper(os.getpid(), ray_node_pids())  # the cluster dies with this driver
         dev = get_device(device_kind)
         resource = dev.ray_resource
