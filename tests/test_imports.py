@@ -25,7 +25,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("errors", "io", "env", "names"),  # standard library only
     ("device", "batch", "config"),
     ("algo", "ops", "data", "reward", "models", "metrics", "perf", "checkpoint", "rundir", "input_checks",
-     "installation", "preflight", "tracking"),
+     "installation", "compat", "preflight", "tracking"),
     ("rollout", "workers"),
     ("trainer", "cluster", "sft"),
     ("main_ppo", "main_sft", "cli", "default_job", "doctor", "tools"),
