@@ -115,14 +115,7 @@ class Compat:
 
     # -- judging -----------------------------------------------------------------------------------
     def too_old(self, packages: Sequence[str] = tuple(MINIMUM)) -> list[str]:
-        """"package version < minimum" for each installed package of ``packages`` older than MINIMUM."""
-        old = []
-        for package in packages:
-            have, need = self.versions.get(package), MINIMUM[package]
-            parsed = parse_version(have)
-            if have is not None and (parsed is None or parsed < Version(need)):
-                old.append(f"{package} {have} < {need}")
-        return old
+        return too_old(self.versions, packages)
 
     def require_supported(self, *, vllm: bool) -> None:
         """Refuse, in one line, a stack older than the oldest supported one (vllm/vllm-ascend only if used)."""
@@ -136,11 +129,7 @@ class Compat:
                                    "(the supported Ascend stacks: docs/install_npu.md)")
 
     def matching_stack(self) -> Optional[Stack]:
-        """The supported stack whose every pin the installed versions match (local labels ignored)."""
-        for stack in STACKS:
-            if all(_same_release(self.versions.get(p), v) for p, v in stack.pins().items()):
-                return stack
-        return None
+        return matching_stack(self.versions)
 
     def off(self, device_kind: str, *, rollout: Optional[str], sleep_mode: bool, sleep_level: int) -> list[str]:
         """One line per feature this stack lacks for a run on ``device_kind`` with the ``rollout`` engine
@@ -164,7 +153,27 @@ class Compat:
         return lines
 
 
-def _same_release(have: Optional[str], pin: str) -> bool:
+def too_old(versions: Mapping[str, Optional[str]], packages: Sequence[str] = tuple(MINIMUM)) -> list[str]:
+    """"package version < minimum" for each installed package of ``packages`` older than MINIMUM."""
+    old = []
+    for package in packages:
+        have, need = versions.get(package), MINIMUM[package]
+        parsed = parse_version(have)
+        if have is not None and (parsed is None or parsed < Version(need)):
+            old.append(f"{package} {have} < {need}")
+    return old
+
+
+def matching_stack(versions: Mapping[str, Optional[str]]) -> Optional[Stack]:
+    """The supported stack whose every pin the installed versions match (local labels such as +cpu ignored)."""
+    for stack in STACKS:
+        if all(same_release(versions.get(p), v) for p, v in stack.pins().items()):
+            return stack
+    return None
+
+
+def same_release(have: Optional[str], pin: str) -> bool:
+    """``have`` is the pinned release (a local label such as +cpu or +empty aside)."""
     version = parse_version(have)
     return version is not None and version.public == Version(pin).public
 

@@ -158,7 +158,7 @@ class Device:
         """``torch.npu`` / ``torch.cuda``; None on CPU."""
         if self.kind == "npu":
             _import_torch_npu()
-            return torch.npu  # type: ignore[attr-defined]
+            return getattr(torch, "npu", None)  # None when torch_npu failed to import
         if self.kind == "cuda":
             return torch.cuda
         return None

@@ -157,3 +157,20 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_workers_refuse_an_old_stack_before_starting_and_log_what_is_off(monkeypatch, caplog):
+    import logging
+
+    from grpo_npu import cluster
+    from tests.workers.helpers import make_cfg
+
+    cfg = make_cfg("/m", "actor_rollout_ref.rollout.name=vllm")
+    monkeypatch.setattr(compat, "current", lambda: _stack("npu-8.1", vllm="0.6.6"))
+    with pytest.raises(compat.UnsupportedStack, match=r"vllm 0\.6\.6 < 0\.7\.3"):
+        cluster.check_stack(cfg, with_rollout=True)
+    cluster.check_stack(cfg, with_rollout=False)  # an SFT run does not use vllm
+    cfg = make_cfg("/m")  # the transformers rollout
+    with caplog.at_level(logging.INFO, logger=cluster.__name__):
+        cluster.check_stack(cfg, with_rollout=True)
+    assert "stack: torch 2.5.1 has no FSDPModule.set_reshard_after_forward" in caplog.text
