@@ -75,11 +75,7 @@ def free_port() -> int:
 
 def init_distributed(dev: Device, *, rank: int, world_size: int, master_addr: str, master_port: int) -> bool:
     """Initialise the default process group with the device layer's backend; False if one was already up.
-
-    On an accelerator the group is mixed (``cpu:gloo,npu:hccl``): parameters and optimizer state offloaded
-    to the host (``param_offload`` / ``optimizer_offload``) and checkpoint metadata meet collectives as CPU
-    tensors, which hccl and nccl cannot carry.
-    """
+    On accelerators it is mixed (``cpu:gloo,npu:hccl``): offloaded shards meet collectives as CPU tensors."""
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(
