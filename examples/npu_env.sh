@@ -67,14 +67,17 @@ if [[ -z "${GRPO_NPU_NO_JEMALLOC:-}" ]]; then
     unset _lib
 fi
 
-# Expandable segments: grpo_npu turns them ON for training and OFF around the rollout at run time
-# (grpo_npu.device.Device.set_expandable_segments, inside each worker). The environment variable
-# cannot be toggled that way, and vllm-ascend's sleep-mode memory pool refuses to start when it
-# says expandable_segments:True ("Expandable segments are not compatible with memory pool").
+# Expandable segments: vllm-ascend's sleep-mode memory pool (the examples use sleep mode) refuses to
+# start when this variable says expandable_segments:True ("Expandable segments are not compatible
+# with memory pool"), so it is removed. What training then runs with depends on torch_npu:
+#   - 2.10.x (requirements/npu-9.1.txt) has the run-time toggle: grpo_npu turns expandable segments
+#     ON for training and OFF around the rollout engine, inside each worker;
+#   - 2.5.1 / 2.7.1 (npu-8.1, npu-8.3) have none: they stay OFF for the whole run (the static setting;
+#     the trainer says so once at start, python -m grpo_npu.doctor too). docs/npu.md section 5.
 _alloc_conf="${PYTORCH_NPU_ALLOC_CONF:-}"
 _alloc_conf="${_alloc_conf,,}"
 if [[ "${_alloc_conf// /}" == *expandable_segments:true* ]]; then
-    echo "npu_env: unsetting PYTORCH_NPU_ALLOC_CONF=${PYTORCH_NPU_ALLOC_CONF} (expandable segments are toggled at run time; the variable conflicts with sleep mode)" >&2
+    echo "npu_env: unsetting PYTORCH_NPU_ALLOC_CONF=${PYTORCH_NPU_ALLOC_CONF} (it conflicts with sleep mode; expandable segments are turned on for training at run time only where torch_npu has the toggle, 2.10.x)" >&2
     unset PYTORCH_NPU_ALLOC_CONF
 fi
 unset _alloc_conf

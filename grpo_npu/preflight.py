@@ -18,8 +18,9 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from grpo_npu.compat import MINIMUM, STACKS, matching_stack, same_release, too_old
 from grpo_npu.env import CPU_MALLOC_ENV, PROCESS_ENV_DEFAULTS
-from grpo_npu.installation import CANN_ROOT_ENV, DEFAULT_CANN_ROOTS, DISTRIBUTIONS, Facts, collect_facts
+from grpo_npu.installation import ATB_ENV, CANN_ROOT_ENV, DEFAULT_CANN_ROOTS, DISTRIBUTIONS, Facts, collect_facts
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 STATUSES = (OK, WARN, FAIL)
@@ -157,6 +158,71 @@ def _vllm_ascend_check(facts: Facts) -> Check:
     return Check("vllm_ascend_vs_vllm", OK, f"vllm {vllm_v}, vllm-ascend {plugin_v}")
 
 
+def _stack_check(facts: Facts) -> Check:
+    """The installation against the three supported Ascend stacks (requirements/npu-*.txt) and the minimum."""
+    old = too_old(facts.versions)
+    if old:
+        need = ", ".join(f"{p} >= {v}" for p, v in MINIMUM.items())
+        return Check("stack", FAIL, f"older than the oldest supported stack: {'; '.join(old)}",
+                     f"install one of the stacks of docs/install_npu.md ({need})")
+    if not facts.npu_stack:
+        return Check("stack", OK, "n/a (no torch_npu: not an Ascend stack)")
+    stack = matching_stack(facts.versions)
+    if stack is not None:
+        return Check("stack", OK, f"{stack.name} ({stack.label}): CANN {stack.cann} expected"
+                     + ("" if facts.cann_version in (None, stack.cann) else f", found {facts.cann_version}"))
+    nearest = max(STACKS, key=lambda st: sum(same_release(facts.versions.get(p), v) for p, v in st.pins().items()))
+    off = [f"{p} {facts.versions.get(p) or 'absent'} (pin {v})" for p, v in nearest.pins().items()
+           if not same_release(facts.versions.get(p), v)]
+    return Check("stack", WARN, f"matches none of {', '.join(s.name for s in STACKS)}; nearest {nearest.name}: "
+                 + ", ".join(off), f"pip install -c requirements/{nearest.name}.txt ... (docs/install_npu.md)")
+
+
+def _atb_check(facts: Facts) -> Check:
+    if not facts.npu_stack:
+        return Check("nnal_atb", OK, "n/a (no torch_npu)")
+    if facts.atb is None:
+        status = WARN if facts.versions.get("vllm_ascend") else OK
+        return Check("nnal_atb", status, "CANN NNAL (ATB) not found" + (
+            ": vllm-ascend's attention and sampling ops load it" if status == WARN else " (vllm-ascend not installed)"),
+            "install Ascend-cann-nnal for your CANN and source <Ascend root>/nnal/atb/set_env.sh")
+    path, version = facts.atb
+    seen = f"{path}{f' ({version})' if version else ''}"
+    if not facts.atb_sourced:
+        return Check("nnal_atb", WARN, f"{seen} is installed but ${ATB_ENV} is unset (its set_env.sh not sourced)",
+                     f"source {path}/set_env.sh")
+    return Check("nnal_atb", OK, seen)
+
+
+def _npu_process_check(facts: Facts, own_pid: int) -> Check:
+    if facts.npu_smi_error:
+        return Check("npu_processes", WARN, facts.npu_smi_error, "check the NPU driver (npu-smi info)")
+    if facts.npu_processes is None:
+        return Check("npu_processes", OK, "n/a (npu-smi not on PATH)")
+    others = [p for p in facts.npu_processes if p.pid != own_pid]
+    if not others:
+        return Check("npu_processes", OK, "no process holds an NPU")
+    held = "; ".join(f"NPU {p.npu} chip {p.chip}: pid {p.pid}{f' ({p.name})' if p.name else ''} {p.memory_mb} MB"
+                     for p in others)
+    return Check("npu_processes", WARN, f"already in use: {held} (a previous run still alive? the rollout engine "
+                 "sizes its KV cache from what is free)",
+                 f"stop them (kill {' '.join(sorted({str(p.pid) for p in others}))}) or pick free NPUs with "
+                 "ASCEND_RT_VISIBLE_DEVICES")
+
+
+def _allocator_toggle_check(facts: Facts, sleep_mode: bool | None) -> Check:
+    name = "expandable_segments_toggle"
+    if facts.npu_allocator_toggle is None:
+        return Check(name, OK, "n/a (no torch_npu, or not probed)")
+    if facts.npu_allocator_toggle:
+        return Check(name, OK, f"torch_npu {facts.versions.get('torch_npu')} has the run-time toggle: expandable "
+                     "segments on for training, off around the rollout engine")
+    static = ("stay off for the whole run (sleep mode requires it)" if sleep_mode
+              else "stay as PYTORCH_NPU_ALLOC_CONF sets them for the whole run (off if sleep mode is used)")
+    return Check(name, OK, f"torch_npu {facts.versions.get('torch_npu')} has no run-time toggle "
+                 f"(from 2.10.x among the supported stacks): expandable segments {static}")
+
+
 def _device_check(facts: Facts) -> Check:
     if facts.torch_error:
         return Check("devices", FAIL, f"not probed: import torch fails ({facts.torch_error})",
@@ -180,7 +246,8 @@ def _alloc_conf_check(facts: Facts, environ: Mapping[str, str], sleep_mode: bool
     return _sleep_conflict(
         "expandable_segments", f"{'/'.join(on)} turns expandable_segments on (vLLM's sleep allocator "
         "asserts it is off)", sleep_mode,
-        f"remove expandable_segments:True from {on[0]}; the trainer toggles it at runtime around rollout",
+        f"remove expandable_segments:True from {on[0]}; where torch_npu has the run-time toggle the trainer turns "
+        "them on for training itself",
     )
 
 
@@ -260,14 +327,20 @@ def _cpu_malloc_check(facts: Facts, environ: Mapping[str, str]) -> Check:
                  f"unset {' and '.join(CPU_MALLOC_ENV)} (grpo_npu then sets them on CPU runs)")
 
 
-def evaluate(facts: Facts, environ: Mapping[str, str], sleep_mode: bool | None = None) -> list[Check]:
-    """Judge observed facts and environment variables; pure, so tests can feed any installation."""
+def evaluate(facts: Facts, environ: Mapping[str, str], sleep_mode: bool | None = None,
+             own_pid: int | None = None) -> list[Check]:
+    """Judge observed facts and environment variables; pure, so tests can feed any installation.
+    ``own_pid``: this process, whose own NPU use is not a stale process (default: os.getpid())."""
     return [
         *_version_checks(facts),
+        _stack_check(facts),
+        _atb_check(facts),
         _device_check(facts),
+        _npu_process_check(facts, os.getpid() if own_pid is None else own_pid),
         *_torch_npu_checks(facts, environ),
         _vllm_ascend_check(facts),
         _alloc_conf_check(facts, environ, sleep_mode),
+        _allocator_toggle_check(facts, sleep_mode),
         _nz_check(facts, environ, sleep_mode),
         _ray_visible_check(environ),
         _hccl_check(facts, environ),

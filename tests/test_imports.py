@@ -25,7 +25,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("errors", "io", "env", "names", "logs"),  # standard library only
     ("device", "batch", "config"),
     ("algo", "ops", "data", "reward", "models", "metrics", "perf", "checkpoint", "rundir", "input_checks",
-     "installation", "preflight", "tracking", "run_control", "samples"),
+     "installation", "compat", "preflight", "tracking", "run_control", "samples"),
     ("rollout", "workers"),
     ("trainer", "cluster", "sft", "step_limits"),
     ("main_ppo", "main_sft", "cli", "default_job", "doctor", "tools"),

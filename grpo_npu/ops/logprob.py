@@ -23,6 +23,7 @@ Per-chunk statistics come from the backend chosen once for the op:
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Iterator
 
@@ -36,8 +37,13 @@ from grpo_npu.ops.linear import mm_nt
 NPU_CE_MAX_ROWS = 200_000
 # Rows per chunk are chosen so one fp32 (rows, V) block is about this size. A chunk holds at most
 # ~3 such blocks (tempered logits, softmax, one product; the logp-only backward works in place in
-# one), so a few hundred MiB of transient memory whatever the token count.
+# one), so a few hundred MiB of transient memory whatever the token count. This is the CPU size
+# (blocks that stay near the caches); an accelerator gets ACCELERATOR_BLOCK_FRACTION of its memory,
+# within [CHUNK_BLOCK_BYTES, ACCELERATOR_BLOCK_MAX_BYTES]: fewer, larger kernel calls (one
+# npu_cross_entropy_loss / matmul per chunk) for ~1% of the device held transiently.
 CHUNK_BLOCK_BYTES = 64 * 1024**2
+ACCELERATOR_BLOCK_FRACTION = 1 / 256  # 256 MiB blocks on a 64 GiB Ascend 910B, 320 MB on an 80 GB H100
+ACCELERATOR_BLOCK_MAX_BYTES = 1024**3
 _FLASH_ATTN_CE = "flash_attn.ops.triton.cross_entropy"
 
 
@@ -64,9 +70,22 @@ def set_backend(name: str | None) -> None:
     BACKEND.set(name)
 
 
-def default_chunk_rows(vocab_size: int) -> int:
-    """Rows per chunk so that one fp32 (rows, vocab) block is about CHUNK_BLOCK_BYTES."""
-    return max(1, min(NPU_CE_MAX_ROWS, CHUNK_BLOCK_BYTES // (4 * vocab_size)))
+def default_chunk_rows(vocab_size: int, block_bytes: int = CHUNK_BLOCK_BYTES) -> int:
+    """Rows per chunk so that one fp32 (rows, vocab) block is about ``block_bytes``."""
+    return max(1, min(NPU_CE_MAX_ROWS, block_bytes // (4 * vocab_size)))
+
+
+@functools.lru_cache(maxsize=None)
+def _block_bytes(kind: str, index: int | None) -> int:
+    if kind not in ("npu", "cuda"):
+        return CHUNK_BLOCK_BYTES
+    total = device.Device(kind).total_memory(index)
+    return int(min(ACCELERATOR_BLOCK_MAX_BYTES, max(CHUNK_BLOCK_BYTES, total * ACCELERATOR_BLOCK_FRACTION)))
+
+
+def chunk_block_bytes(where: torch.device) -> int:
+    """The fp32 block size for tensors on ``where``: CHUNK_BLOCK_BYTES on CPU, a share of an accelerator's memory."""
+    return _block_bytes(where.type, where.index)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -282,7 +301,7 @@ def logprobs_from_logits(
 
     logits (N, V) or (B, T, V) in any float dtype (strided slices such as ``logits[:, a:b]`` are
     read in place), labels (N,) or (B, T) valid token ids (there is no ignore_index: mask padded
-    positions afterwards). chunk_size: rows per chunk (default: CHUNK_BLOCK_BYTES of fp32).
+    positions afterwards). chunk_size: rows per chunk (default: :func:`chunk_block_bytes` of fp32).
     """
     labels = _check_common(labels, temperature, chunk_size)
     if not logits.dtype.is_floating_point or logits.shape[:-1] != labels.shape or logits.dim() not in (2, 3):
@@ -293,7 +312,7 @@ def logprobs_from_logits(
     backend = BACKEND.pick(logits)
     if backend == "cuda" and not with_entropy:
         return _flash_attn_logprobs(logits, labels, temperature)
-    rows = chunk_size or default_chunk_rows(logits.shape[-1])
+    rows = chunk_size or default_chunk_rows(logits.shape[-1], chunk_block_bytes(logits.device))
     if backend == "npu":
         rows = min(rows, NPU_CE_MAX_ROWS)
     logits_rows, labels_rows = _rows_view(logits, labels)
@@ -330,7 +349,7 @@ def linear_logprobs(
         raise ValueError(f"linear_logprobs: weight must be (V, H={hidden.shape[-1]}), got {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
         raise ValueError(f"linear_logprobs: hidden {hidden.dtype} and weight {weight.dtype} must share a dtype")
-    rows = min(chunk_size or default_chunk_rows(weight.shape[0]), NPU_CE_MAX_ROWS)
+    rows = min(chunk_size or default_chunk_rows(weight.shape[0], chunk_block_bytes(hidden.device)), NPU_CE_MAX_ROWS)
     hidden_rows = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     stats = _stats_for(hidden)
     labels_rows = labels.reshape(-1)

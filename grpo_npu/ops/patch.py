@@ -19,14 +19,17 @@ Nothing happens at import time. Mechanism, per op, and why:
   :func:`grpo_npu.ops.rotary.apply_rotary`. Replacing the module-level function instead would
   change every model of that family in the process.
 - ``attention``: transformers' own extension point. ``patch_model`` registers the name
-  ``"grpo_npu"`` in ``AttentionInterface`` (with ``sdpa_mask`` as its mask builder, so the core
-  receives None for a plain causal batch, else a bool (B, 1, Sq, Skv) mask with True = attend) and
-  switches this model's ``attn_implementation`` to it; unpatch switches back. Registering adds a
-  new key and changes no existing one. Packed (varlen) batches take the TND path when the caller
-  passes flash-attn style ``cu_seq_lens_q``/``cu_seq_lens_k`` kwargs to the model's forward;
-  otherwise packing is expressed through the mask that transformers builds from position_ids. A
-  ``kv_index`` kwarg (shared-prompt packing) gathers each query segment's keys/values from the
-  packed tokens first, so a response can attend to a prompt stored once for all its siblings.
+  ``"grpo_npu"`` in ``AttentionInterface`` and switches this model's ``attn_implementation`` to it;
+  unpatch switches back. Registering adds a new key and changes no existing one. Its mask builder
+  (:func:`packing_aware_mask`) is ``sdpa_mask`` except for a batch with no padding mask and no cache
+  history, where it builds nothing: such a batch is plain causal or packed, and the attention reads
+  the packing itself, so no (T, T) mask is ever formed for a packed batch (the fused kernel would
+  ignore it; at 16k tokens it is gigabytes). Packed (varlen) batches take the TND path, with the
+  flash-attn style ``cu_seq_lens_q``/``cu_seq_lens_k`` kwargs when the caller passes them, else with
+  the segments where ``position_ids`` restart. Padded batches get a bool (B, 1, Sq, Skv) mask with
+  True = attend. A ``kv_index`` kwarg (shared-prompt packing) gathers each query segment's
+  keys/values from the packed tokens first, so a response can attend to a prompt stored once for all
+  its siblings.
 """
 
 from __future__ import annotations
@@ -210,6 +213,12 @@ def hf_attention_forward(
             raise ValueError(f"grpo_npu attention expects sdpa-style bool masks, got {attention_mask.dtype}")
         return attention_op.attention(q, k, v, causal=False, attn_mask=attention_mask, scale=scaling), None
     sq, skv = q.shape[1], k.shape[1]
+    cu = packed_segments(kwargs.get("position_ids"), q.shape[0], sq) if causal and sq == skv > 1 else None
+    if cu is not None:  # packed rows without cu_seq_lens: the segments where position_ids restart
+        b = q.shape[0]
+        flat = [t.reshape(b * sq, *t.shape[2:]) for t in (q, k, v)]  # (B*S, N, D)
+        out = attention_op.attention(*flat, causal=True, cu_seqlens=cu, scale=scaling)
+        return out.view(q.shape), None
     if causal and 1 < sq < skv:
         # transformers only omits the mask here for a prefill into an empty static cache: the keys
         # past Sq are empty slots and the causal pattern is top-left, as sdpa_attention_forward does.
@@ -217,13 +226,40 @@ def hf_attention_forward(
     return attention_op.attention(q, k, v, causal=causal and sq > 1, scale=scaling), None
 
 
+def packed_segments(position_ids: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
+    """Cumulative offsets (n+1,) over the flattened (batch * length) tokens of the sequences packed in the
+    rows, split where position ids do not step by one; None when every row is one sequence (or no ids)."""
+    if position_ids is None:
+        return None
+    pos = position_ids.expand(batch, length)  # (B, S); transformers may pass (1, S) for every row
+    starts = torch.ones(batch, length, dtype=torch.bool, device=pos.device)  # (B, S): a row starts a sequence
+    starts[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
+    if int(starts.sum()) == batch:
+        return None
+    first = starts.reshape(-1).nonzero()[:, 0].to(torch.int32)  # (n,) flat index of each sequence's first token
+    return torch.cat([first, torch.tensor([batch * length], dtype=torch.int32, device=first.device)])
+
+
+def packing_aware_mask(**kwargs) -> torch.Tensor | None:
+    """The "grpo_npu" mask builder: nothing for a batch without padding mask and cache history (plain causal,
+    or packed: the attention reads the packing from position_ids or cu_seq_lens), else ``sdpa_mask``.
+
+    transformers 4.56-4.57 pass ``cache_position`` (the query positions), 5.x ``q_length``."""
+    from transformers.masking_utils import sdpa_mask  # exists from transformers 4.53 on (pyproject asks >= 4.56)
+
+    q_length = kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]
+    if kwargs.get("attention_mask") is None and q_length == kwargs["kv_length"]:
+        return None
+    return sdpa_mask(**kwargs)
+
+
 def _register_attention() -> None:
     # Imported here, where it is needed: transformers.masking_utils exists from transformers 4.53 on
     # (pyproject asks >= 4.56, docs/npu.md section 1).
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, hf_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, packing_aware_mask)
 
 
 # ------------------------------------------------------------------------------------------------

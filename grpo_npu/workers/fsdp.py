@@ -35,15 +35,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
+from grpo_npu import compat
 from grpo_npu.checkpoint import load_state_file
 from grpo_npu.device import Device
 from grpo_npu.io import atomic_path, write_json
 
 log = logging.getLogger(__name__)
+
+# FSDP2 lives in torch.distributed.fsdp from torch 2.6, in torch.distributed._composable.fsdp on torch 2.5.
+_FSDP2 = compat.fsdp2()
+CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy = _FSDP2.CPUOffloadPolicy, _FSDP2.FSDPModule, _FSDP2.MixedPrecisionPolicy
+OffloadPolicy, fully_shard = _FSDP2.OffloadPolicy, _FSDP2.fully_shard
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -69,7 +74,8 @@ def free_port() -> int:
 
 
 def init_distributed(dev: Device, *, rank: int, world_size: int, master_addr: str, master_port: int) -> bool:
-    """Initialise the default process group with the device layer's backend; False if one was already up."""
+    """Initialise the default process group with the device layer's backend; False if one was already up.
+    On accelerators it is mixed (``cpu:gloo,npu:hccl``): offloaded shards meet collectives as CPU tensors."""
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(
@@ -79,7 +85,7 @@ def init_distributed(dev: Device, *, rank: int, world_size: int, master_addr: st
         return False
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     dist.init_process_group(
-        backend=dev.dist_backend(), init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
+        backend=dev.dist_backend(mixed=True), init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
     )
     return True
 
@@ -369,7 +375,7 @@ def grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         raise ValueError("grad_norm: no parameter has a gradient (was backward called?)")
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False)
+    total = compat.total_norm(grads, norm_type=2.0)
     if isinstance(total, DTensor):
         total = total.full_tensor()
     return total.float()
@@ -400,8 +406,12 @@ def gathered(module: nn.Module) -> Iterator[None]:
     transformers ``generate`` calls forward once per new token; with FSDP's per-forward gather and
     free that is one all-gather per layer per token (1.9x a plain model's generate time measured on
     an H100). Gathered once, the block pays one all-gather per layer and holds the full parameters,
-    as verl's summon_full_params around its HF rollout does.
+    as verl's summon_full_params around its HF rollout does. A torch without
+    ``FSDPModule.set_reshard_after_forward`` (2.5.1, 2.7.1) runs the block with the per-forward gathers.
     """
+    if not compat.current().fsdp_reshard_toggle:
+        yield
+        return
     units = fsdp_units(module)
     saved = [_reshard_setting(m) for m in units]
     try:

@@ -72,9 +72,8 @@ class RankHost:
         """Select the local device, initialise torch.distributed, construct ``worker_cls(*args, **kwargs)``."""
         try:
             dev = get_device(self.device_kind)
-            if dev.is_accelerator:
-                dev.set_device(local_rank % max(dev.device_count(), 1))
-            os.environ["LOCAL_RANK"] = str(local_rank)
+            # vLLM's external launcher picks its device from LOCAL_RANK: the index among the visible devices
+            os.environ["LOCAL_RANK"] = str(dev.bind_local_rank(local_rank))
             self.owns_process_group = init_distributed(dev, rank=self.rank, world_size=self.world_size,
                                                        master_addr=master_addr, master_port=master_port)
             self.worker = worker_cls(*args, **kwargs)

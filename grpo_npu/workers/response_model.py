@@ -15,8 +15,8 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import register_fsdp_forward_method
 
+from grpo_npu import compat
 from grpo_npu.config import FSDPConfig, ModelConfig
 from grpo_npu.device import Device
 from grpo_npu.ops import PATCHABLE_OPS, linear_logprobs, patch_model
@@ -123,7 +123,7 @@ def build_sharded(
         forward_prefetch=fsdp_cfg.forward_prefetch,
     )
     if hasattr(wrapper, "generate"):
-        register_fsdp_forward_method(wrapper, "generate")
+        compat.fsdp2().register_fsdp_forward_method(wrapper, "generate")
     fsdp.load_full_state_dict(wrapper, {"hf." + k: v for k, v in full_state.items()}, dev.torch_device(),
                               cpu_offload=cpu_offload)
     del full_state

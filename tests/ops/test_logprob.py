@@ -146,6 +146,28 @@ def test_default_chunk_rows_budget():
     assert op.default_chunk_rows(10**12) == 1
 
 
+@pytest.mark.parametrize("total_gib, block_mib", [(64, 256), (8, 64), (1024, 1024)])
+def test_chunks_are_sized_per_device(monkeypatch, total_gib, block_mib):
+    """64 MiB blocks are the CPU's size; an accelerator gets 1/256 of its memory, within [64 MiB, 1 GiB]."""
+    from types import SimpleNamespace
+
+    from grpo_npu import device
+
+    asked = []
+    monkeypatch.setattr(device.Device, "total_memory", lambda self, index=None: asked.append((self.kind, index))
+                        or total_gib * 1024**3)
+    op._block_bytes.cache_clear()
+    try:
+        assert op.chunk_block_bytes(torch.device("cpu")) == op.CHUNK_BLOCK_BYTES
+        npu = op.chunk_block_bytes(SimpleNamespace(type="npu", index=1))
+        assert npu == block_mib * 1024**2 and asked == [("npu", 1)]
+        assert op.chunk_block_bytes(SimpleNamespace(type="npu", index=1)) == npu and len(asked) == 1  # asked once
+        rows = op.default_chunk_rows(151_936, npu)
+        assert rows == npu // (4 * 151_936) and (rows > op.default_chunk_rows(151_936)) == (block_mib > 64)
+    finally:
+        op._block_bytes.cache_clear()
+
+
 def test_rejects_bad_inputs(reference_backend):
     logits, labels = torch.randn(4, 10), torch.randint(0, 10, (4,))
     with pytest.raises(ValueError, match="temperature"):

