@@ -216,3 +216,16 @@ def test_update_reuses_its_forward_as_old_log_probs_only_on_policy(overrides, re
     cfg = load_config(["trainer.n_gpus_per_node=1", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", *overrides])
     assert derive(cfg, 1).old_logp_from_update is reuse
+
+
+def test_negative_kl_coef_and_non_positive_learning_rates_are_refused():
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.actor\.kl_loss_coef=-0\.1 must be >= 0"):
+        load_config(BASE + ["actor_rollout_ref.actor.kl_loss_coef=-0.1"])
+    for key in ("critic.optim.lr", "actor_rollout_ref.actor.optim.lr"):
+        for lr in ("0", "-1e-05"):
+            with pytest.raises(ConfigError, match=rf"^{key.replace('.', '[.]')}=.* must be > 0"):
+                load_config(BASE + [f"{key}={lr}"])
+    with pytest.raises(ConfigError, match=r"^trainer\.step_timeout_s=0"):
+        load_config(BASE + ["trainer.step_timeout_s=0"])
+    cfg = load_config(BASE + ["actor_rollout_ref.actor.kl_loss_coef=0", "critic.optim.lr=1e-6"])
+    assert cfg.actor_rollout_ref.actor.kl_loss_coef == 0 and cfg.critic.optim.lr == 1e-6

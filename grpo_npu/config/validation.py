@@ -60,8 +60,13 @@ def validate(cfg: Config) -> None:
         ("trainer.total_epochs", tr.total_epochs),
         ("trainer.total_training_steps", tr.total_training_steps),
         ("trainer.max_bad_steps", tr.max_bad_steps),
+        ("trainer.step_timeout_s", tr.step_timeout_s),
+        ("actor_rollout_ref.actor.optim.lr", actor.optim.lr),
+        ("critic.optim.lr", cfg.critic.optim.lr),
     ]:
         _positive(key, value)
+    require(actor.kl_loss_coef >= 0, f"actor_rollout_ref.actor.kl_loss_coef={actor.kl_loss_coef} must be >= 0 "
+                                     "(a negative coefficient rewards moving away from the reference)")
     require(0.0 < rollout.gpu_memory_utilization <= 1.0,
             f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]")
     require(rollout.temperature >= 0, f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be >= 0")
