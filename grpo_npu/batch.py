@@ -2,7 +2,11 @@
 
 Shapes: B responses, P prompt tokens (left-padded), T response tokens (right-padded).
 Optional tensors are filled in as the step proceeds (old log-probs, reference log-probs, values,
-rewards, advantages); their presence never decides control flow -- the config does.
+rewards, advantages). Which ones are filled is the config's decision (``grpo_npu.config.Derived``), and
+a consumer that needs one refuses a batch without it. Two presences do steer the code: the actor's
+update reads a missing ``old_logp`` as "old log-probs from the update" (allowed only when the config
+derives ``old_logp_from_update``), and ``rollout_logp`` exists only when the engine returns log-probs,
+which is what turns on the ``rollout/logp_diff_*`` metrics.
 Per-row metadata (uid, data_source, ground truth, extra info) travels in plain lists.
 """
 

@@ -1,4 +1,8 @@
-"""docs/algorithms.md stays complete and true: every registered name is described, every file it names exists."""
+"""docs/algorithms.md stays complete and true: every registered name is described, every function it names exists.
+
+That every file and grpo_npu name it mentions exists, and that it points at nothing outside the
+repository, is checked for every doc by tests/test_docs.py.
+"""
 
 from __future__ import annotations
 
@@ -34,13 +38,6 @@ QUOTED = set(re.findall(r"`([^`\n]+)`", PROSE))
 def test_every_registered_name_is_described(kind, names):
     missing = [name for name in names if name not in QUOTED]
     assert missing == [], f"docs/algorithms.md does not describe these {kind} values: {missing}"
-
-
-def test_named_files_exist_and_nothing_points_outside_the_repo():
-    paths = {q for q in QUOTED if re.fullmatch(r"(grpo_npu|data_preprocess)/[\w/]+\.py", q)}
-    assert len(paths) > 10
-    assert sorted(p for p in paths if not (ROOT / p).is_file()) == []
-    assert not re.search(r"/work/|shared/docs|npu_reference", DOC)
 
 
 @pytest.mark.parametrize(
