@@ -8,7 +8,8 @@ source (ast), so nothing here imports torch or the modules it checks. What count
   ``data_preprocess/...``; a path inside the package may drop its ``grpo_npu/`` (``ops/patch.py``);
   ``path.py::name`` (a pytest node id or a definition) must also define ``name``;
 - a dotted name ``grpo_npu.x.y``: a module, or a name defined in one (re-exports followed);
-- in markdown, ``module.function()`` where ``module`` is the last part of exactly one grpo_npu module;
+- in markdown, ``module.function()`` or ``module.Class.member`` where ``module`` is the last part of
+  exactly one grpo_npu module, and a bare ``::name`` after a ``path.py::name`` of the same line;
 - in module docstrings, Sphinx roles (``:func:`...```): a full ``grpo_npu.`` name, or a name of the
   module itself.
 
@@ -43,7 +44,10 @@ NOT_OURS = {
     "docs/ascend_tutorial/ascend_quick_start.rst": "verl's Ascend quick start",
 }
 DOTTED_RE = re.compile(r"(?<![\w./])grpo_npu(?:\.\w+)+")
-CALL_RE = re.compile(r"`(\w+)\.(\w+)\(\)`")
+# `module.function()` or `module.Class[.member]` (a config key such as `rollout.n` is neither).
+MODULE_REF_RE = re.compile(r"`(\w+)\.((?:\w+(?=\(\)`)|[A-Z]\w*(?:\.\w+)*))(?:\(\))?`")
+# `::name` right after a path.py::name on the same line names another test of that file.
+CONTINUATION_RE = re.compile(r"(?<=[\s`(,])::([\w.]+)")
 ROLE_RE = re.compile(r":(?:mod|func|class|meth|data|attr):`~?([\w.]+)`")
 
 
@@ -193,15 +197,24 @@ def problems_in(text: str, *, markdown: bool, own_module: str | None = None) -> 
         why = path_problem(match.group(1), match.group(2)[2:] if match.group(2) else None)
         if why:
             problems.append(f"{match.group(0)}: {why}")
+    if markdown:
+        for line in text.splitlines():
+            files = [m.group(1) for m in PATH_RE.finditer(line) if m.group(1).endswith(".py")]
+            for match in CONTINUATION_RE.finditer(line):
+                before = [m.group(1) for m in PATH_RE.finditer(line[:match.start()]) if m.group(1).endswith(".py")]
+                if not files or not before:
+                    problems.append(f"::{match.group(1)}: no path.py before it on its line")
+                elif why := path_problem(before[-1], match.group(1)):
+                    problems.append(f"::{match.group(1)}: {why}")
     for match in DOTTED_RE.finditer(text):
         why = resolve(match.group(0))
         if why:
             problems.append(f"{match.group(0)}: {why}")
     if markdown:
         short = short_module_names()
-        for module, name in CALL_RE.findall(text):
+        for module, name in MODULE_REF_RE.findall(text):
             if module in short and (why := resolve(f"{short[module]}.{name}")):
-                problems.append(f"{module}.{name}(): {why}")
+                problems.append(f"{module}.{name}: {why}")
     if own_module is not None:
         for name in ROLE_RE.findall(text):
             if name.startswith("grpo_npu."):
@@ -234,15 +247,37 @@ def test_nothing_points_outside_the_repository():
     assert found == [], "docs point at files a user does not have:\n" + "\n".join(found)
 
 
+def module_map_entries(doc: str) -> dict[str, str]:
+    """docs/architecture.md's module map: entry (``trainer.py``, ``rollout/``, ``models/tiny.py``) -> its text."""
+    block = re.search(r"^## Module map\n.*?^```\n(.*?)^```", doc, flags=re.S | re.M)
+    assert block, "docs/architecture.md has no module map (a ``` block under '## Module map')"
+    entries: dict[str, str] = {}
+    name = None
+    for line in block.group(1).splitlines():
+        if match := re.match(r"  (\S+)\s", line + " "):  # an entry starts two spaces in
+            name = match.group(1)
+            entries[name] = line
+        elif name is not None and line.startswith("   "):
+            entries[name] += "\n" + line
+        else:
+            name = None  # a floor heading
+    return entries
+
+
 def test_architecture_module_map_names_every_module():
-    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    entries = module_map_entries((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
     missing = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE)
-        if rel.name == "__init__.py":
-            continue  # a package is listed by its folder
-        # Listed as its path, or inside its package's entry by its file name or bare module name.
-        if not (re.search(rf"(?<![\w/]){re.escape(str(rel))}\b", doc) or re.search(rf"\b{re.escape(rel.stem)}\b", doc)):
+        package = f"{rel.parts[0]}/" if len(rel.parts) > 1 else None
+        if rel.name == "__init__.py":  # the package root, or a package: an entry for its folder or a module in it
+            if package is None or any(entry.startswith(package) for entry in entries):
+                continue
+        in_package = package in entries and re.search(rf"\b{re.escape(rel.name)}\b", entries[package])
+        listed = str(rel) in entries or bool(in_package)
+        if rel.name == "names.py" and package:
+            listed = listed or "names.py" in entries  # every subpackage's names.py is described once
+        if not listed:
             missing.append(str(rel))
     assert missing == [], f"docs/architecture.md's module map does not list: {', '.join(missing)}"
 
@@ -262,7 +297,12 @@ def test_architecture_module_map_names_every_module():
     ("grpo_npu.trainer.Trainer.no_such_phase", ["grpo_npu.trainer.Trainer.no_such_phase: "
                                                 "grpo_npu.trainer.Trainer has no member 'no_such_phase'"]),
     ("`compat.fsdp2()`", []),
-    ("`compat.no_such_probe()`", ["compat.no_such_probe(): grpo_npu.compat defines no 'no_such_probe'"]),
+    ("`compat.no_such_probe()`", ["compat.no_such_probe: grpo_npu.compat defines no 'no_such_probe'"]),
+    ("`cluster.Workers.generate` and `rollout.n`", []),
+    ("`cluster.Workers.no_such_call`", ["cluster.Workers.no_such_call: grpo_npu.cluster.Workers has no member "
+                                        "'no_such_call'"]),
+    ("`tests/test_io.py::test_write_atomic_replaces_content_with_the_usual_mode`, `::no_such_test`",
+     ["::no_such_test: tests.test_io defines no 'no_such_test'"]),
     ("https://github.com/volcengine/verl/tree/main/examples/x.sh and ~/data/tests/x", []),
 ])
 def test_the_scanner_finds_what_is_wrong_and_only_that(text, expected):
