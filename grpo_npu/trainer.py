@@ -30,7 +30,7 @@ from grpo_npu.input_checks import check_inputs
 from grpo_npu.logs import attach_run_log, detach
 from grpo_npu.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics
 from grpo_npu.preflight import log_checks, run_checks
-from grpo_npu.reward.manager import get_reward_manager
+from grpo_npu.reward.manager import OverlongShaping, get_reward_manager
 from grpo_npu.reward.sandbox import SandboxSettings
 from grpo_npu.reward.score import make_compute_score
 from grpo_npu.rollout import logp_diff_metrics, training_sampling, validation_sampling
@@ -82,10 +82,9 @@ class Trainer:
             ob = rm.overlong_buffer
             sandbox = SandboxSettings(timeout_s=rm.timeout_s, fallback_score=rm.fallback_score,
                                       max_failed_fraction=rm.max_failed_fraction, memory_limit_mb=rm.memory_limit_mb)
-            self.reward_fn = get_reward_manager(
-                rm.reward_manager, tokenizer=self.tokenizer, compute_score=compute_score, num_workers=rm.num_workers,
-                max_response_length=self.derived.response_length, overlong_buffer_enable=ob.enable,
-                overlong_buffer_len=ob.len, overlong_penalty_factor=ob.penalty_factor, sandbox=sandbox)
+            overlong = OverlongShaping(self.derived.response_length, ob.len, ob.penalty_factor) if ob.enable else None
+            self.reward_fn = get_reward_manager(rm.reward_manager, tokenizer=self.tokenizer, compute_score=compute_score,
+                                                num_workers=rm.num_workers, sandbox=sandbox, overlong=overlong)
             self.val_reward_fn = get_reward_manager("naive", tokenizer=self.tokenizer, compute_score=compute_score,
                                                     num_workers=rm.num_workers, sandbox=sandbox)
             kc = cfg.algorithm.kl_ctrl

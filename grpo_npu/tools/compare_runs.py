@@ -293,8 +293,7 @@ def compare_runs(
         ratio = tp_a / tp_b
 
     return ParityReport(
-        run_a=str(path_a),
-        run_b=str(path_b),
+        run_a=str(path_a), run_b=str(path_b),
         mode=mode,
         metric_key=key,
         common_steps=common,
@@ -303,16 +302,12 @@ def compare_runs(
         max_abs_diff=max(abs(x - y) for x, y in zip(a, b)),
         baseline_mean_abs=sum(abs(y) for y in b) / len(b),
         target_pct=target,
-        std_a=std_a,
-        std_b=std_b,
+        std_a=std_a, std_b=std_b,
         inconclusive_reason=no_signal_reason(len(common), std_a, std_b, key),
-        throughput_a=tp_a,
-        throughput_b=tp_b,
+        throughput_a=tp_a, throughput_b=tp_b,
         throughput_ratio=ratio,
-        throughput_steps_a=steps_tp_a,
-        throughput_steps_b=steps_tp_b,
-        curve_a=curve_a,
-        curve_b=curve_b,
+        throughput_steps_a=steps_tp_a, throughput_steps_b=steps_tp_b,
+        curve_a=curve_a, curve_b=curve_b,
     )
 
 
