@@ -122,18 +122,9 @@ def _check_policy_inputs(logp, old_logp, advantages, mask, clip_low: float, clip
 
 
 @register_policy_loss("vanilla")
-def ppo_clip_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_c: float = 3.0,
-    agg_mode: str = "token-mean",
-    **agg_kwargs,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                  clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0, agg_mode: str = "token-mean",
+                  **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with asymmetric clip (DAPO clip-higher) and dual-clip for A < 0.
 
     Metrics: pg_clipfrac (the clipped branch taken), pg_clipfrac_lower (the dual-clip branch taken),
@@ -163,18 +154,9 @@ def ppo_clip_loss(
 
 
 @register_policy_loss("gspo")
-def gspo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_c: float = 3.0,
-    agg_mode: str = "seq-mean-token-mean",
-    **agg_kwargs,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+              clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0, agg_mode: str = "seq-mean-token-mean",
+              **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: the sequence ratio s_i = exp(token-mean log ratio), per token sg(s_i) * pi / sg(pi), clipped.
 
     As verl's compute_policy_loss_gspo: the token log ratios enter the sequence mean unclamped, the
