@@ -42,12 +42,8 @@ class Policy:
             raise ValueError(
                 f"actor_rollout_ref.rollout.temperature={temperature}: log-probs for training need a temperature > 0"
             )
-        self.module = module
-        self.dev = dev
-        self.remove_padding = remove_padding
-        self.share_prefix = share_prefix
-        self.temperature = temperature
-        self.param_offload = param_offload
+        self.module, self.dev, self.temperature = module, dev, temperature
+        self.remove_padding, self.share_prefix, self.param_offload = remove_padding, share_prefix, param_offload
         if param_offload and dev.is_accelerator:
             fsdp.move_model(module, "cpu")
 
