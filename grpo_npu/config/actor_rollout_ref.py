@@ -160,7 +160,7 @@ class ActorConfig:
     ppo_epochs: int = 1
     """Passes over each batch per step."""
     old_log_prob: str = choice("auto", ("auto", "recompute"))
-    """auto: one optimizer step on the whole batch reuses its forward as old log-probs; recompute: separate pass."""
+    """auto: one optimizer step on the whole batch (no rollout correction) reuses its forward as old log-probs; recompute: separate pass."""
     shuffle: bool = False
     """Shuffle responses before splitting into mini-batches."""
     data_loader_seed: Optional[int] = None
