@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from grpo_npu.algo.masked import masked_mean, masked_sum
+from grpo_npu.algo.masked import acc_dtype, masked_mean, masked_sum
 from grpo_npu.algo.names import ROLLOUT_IS_LEVELS, parse_rollout_rs
 from grpo_npu.batch import RolloutBatch
 
@@ -83,7 +83,7 @@ def rollout_is_weights(
                          f"known: {', '.join(ROLLOUT_IS_LEVELS)}")
     if not threshold > 0:
         raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold={threshold}: expected > 0")
-    log_ratio = log_ratio.float()
+    log_ratio = log_ratio.to(acc_dtype(log_ratio))
     valid = mask.bool()
     m = valid.to(log_ratio.dtype)
     if level == "token":
@@ -158,7 +158,7 @@ def rollout_rejection_mask(
     k2 / k3 keep stat <= upper. A token stays when every option keeps it. ``options`` come from
     :func:`grpo_npu.algo.names.parse_rollout_rs`.
     """
-    log_ratio = log_ratio.float()
+    log_ratio = log_ratio.to(acc_dtype(log_ratio))
     valid = mask.bool()
     seq_valid = valid.any(-1)  # (B,)
     lr = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
@@ -218,7 +218,8 @@ def offpolicy_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: 
     per sequence; log_ppl_diff = rollout minus training token-mean logp per sequence; chi2_token = E[r^2] - 1,
     chi2_seq = E_seq[(prod_t r_t)^2] - 1 (log r clamped to +-20 for the chi^2 terms).
     """
-    old, roll = old_logp.float(), rollout_logp.float()
+    dtype = acc_dtype(old_logp)
+    old, roll = old_logp.to(dtype), rollout_logp.to(dtype)
     log_ratio = old - roll
     mean_old = masked_mean(old, mask, dim=-1)  # (B,)
     mean_roll = masked_mean(roll, mask, dim=-1)
@@ -244,7 +245,8 @@ def offpolicy_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: 
 def probs_diff_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """|p_actor - p_rollout| over valid tokens and the Pearson correlation of the two (verl's calculate_debug_metrics)."""
     valid = mask.bool()
-    p_old, p_roll = torch.exp(old_logp.float())[valid], torch.exp(rollout_logp.float())[valid]  # (N,)
+    dtype = acc_dtype(old_logp)
+    p_old, p_roll = torch.exp(old_logp.to(dtype))[valid], torch.exp(rollout_logp.to(dtype))[valid]  # (N,)
     diff = (p_old - p_roll).abs()
     corr = torch.corrcoef(torch.stack([p_old, p_roll]))[0, 1] if diff.numel() > 1 else diff.new_zeros(())
     return {
@@ -280,7 +282,8 @@ def compute_rollout_correction(
     if not mask.bool().any():
         raise ValueError("rollout correction: the response mask has no valid token")
     with torch.no_grad():
-        log_ratio = old_logp.float() - rollout_logp.float()  # (B, T) log(pi_old / pi_rollout)
+        dtype = acc_dtype(old_logp)  # float32, float64 stays float64
+        log_ratio = old_logp.to(dtype) - rollout_logp.to(dtype)  # (B, T) log(pi_old / pi_rollout)
         metrics: dict[str, torch.Tensor] = {}
         weights = None
         if rollout_is is not None:
