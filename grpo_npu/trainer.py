@@ -19,6 +19,7 @@ from grpo_npu import config as C
 from grpo_npu.algo.advantages import compute_advantage
 from grpo_npu.algo.dapo import filter_groups
 from grpo_npu.algo.kl import apply_kl_in_reward, make_kl_controller
+from grpo_npu.algo.rollout_corr import correct_batch
 from grpo_npu.batch import RolloutBatch, balance_order, cat_right_padded
 from grpo_npu.checkpoint import CheckpointManager, changed_settings, load_state_file, optim_settings, save_plan
 from grpo_npu.cluster import Workers
@@ -274,6 +275,7 @@ class Trainer:
                                                          batch.response_mask, self.kl_ctrl, alg.kl_penalty)
                 metrics.update({k: float(v) for k, v in kl_metrics.items()})
                 self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=len(batch))
+            batch = correct_batch(batch, alg.rollout_correction, metrics)  # rollout IS weights / rejection (verl's order)
             adv, ret = compute_advantage(
                 alg.adv_estimator, token_level_rewards=rewards, response_mask=batch.response_mask,
                 group_ids=batch.uid, values=batch.values, gamma=alg.gamma, lam=alg.lam,
@@ -289,8 +291,7 @@ class Trainer:
             with timer("update_actor"):
                 metrics.update(self.workers.update_actor(batch))
         if batch.rollout_logp is not None and not self.old_logp_from_update(step):  # else the update reported them
-            metrics.update({k: float(v) for k, v in
-                            logp_diff_metrics(batch.rollout_logp, batch.old_logp, batch.response_mask).items()})
+            metrics.update(logp_diff_metrics(batch.rollout_logp, batch.old_logp, batch.response_mask))
         return metrics
 
     def validate(self) -> dict[str, float]:
@@ -395,8 +396,7 @@ class Trainer:
         return batch.token_level_scores.sum(-1)
 
     def _step_metrics(self, batch: RolloutBatch, timer: Timer) -> dict[str, float]:
-        seconds = dict(timer.seconds)
-        num_tokens = batch.num_tokens()
+        seconds, num_tokens = dict(timer.seconds), batch.num_tokens()
         metrics = compute_data_metrics(batch, use_critic=self.derived.use_critic,
                                        max_response_length=self.derived.response_length,
                                        max_prompt_length=self.derived.prompt_length)

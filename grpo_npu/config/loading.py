@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -20,6 +21,9 @@ from grpo_npu.config.keys import iter_keys, schema_node, suggest
 from grpo_npu.config.schema import Config
 from grpo_npu.config.validation import validate
 from grpo_npu.errors import ConfigError
+
+# A number with digit-separating underscores, which YAML 1.1 (and so OmegaConf) reads as that number.
+_YAML_NUMBER = re.compile(r"[-+]?[0-9][0-9_]*(\.[0-9_]*)?([eE][-+]?[0-9]+)?")
 
 
 def parse_overrides(items: list[str]) -> DictConfig:
@@ -38,6 +42,8 @@ def parse_overrides(items: list[str]) -> DictConfig:
             raise ConfigError(f"{key!r} is a config section, not a value; set one of its keys (see --help)")
         if kind == "free" and not adding:
             raise ConfigError(f"{key!r} adds a new key to a free-form dict: write +{key}={value}")
+        if kind == "leaf" and spec.type in ("str", "Optional[str]") and "_" in value and _YAML_NUMBER.fullmatch(value):
+            value = f"'{value}'"  # YAML reads 0.5_2 as the number 0.52: a text key keeps the text (rollout_rs_threshold)
         dotlist.append(f"{key}={value}")
     try:
         return OmegaConf.from_dotlist(dotlist)

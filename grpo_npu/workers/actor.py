@@ -146,18 +146,19 @@ class Actor(Policy):
     def micro_loss(self, micro: RolloutBatch, agg: dict, old_logp_from_update: bool = False) -> MicroLoss:
         """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, normalised by ``agg``'s global counts.
 
+        The loss sees ``micro.loss_tokens()`` and, when the trainer set them, the rollout-correction IS weights.
         Metric parts: the mini-batch losses (pg_loss, kl_loss, entropy) and token-weighted sums of the
         token means (pg_clipfrac, pg_clipfrac_lower, ppo_kl); with old log-probs from the update and
         rollout log-probs, the sum and maximum of |rollout - old log-prob| over valid tokens.
         """
         cfg, d = self.cfg, self.derived
-        mask = micro.response_mask  # (b, T)
+        mask = micro.loss_tokens()  # (b, T): response tokens minus those rollout rejection sampling rejected
         with_entropy = cfg.entropy_coeff != 0 or old_logp_from_update  # actor/entropy then comes from this forward
         logp, entropy = self.forward(micro, with_entropy)  # (b, T) each
         old_logp = logp.detach() if old_logp_from_update else micro.old_logp  # (b, T): ratio exactly 1 from the update
         pg_loss, m = self.policy_loss_fn(
             logp, old_logp, micro.advantages, mask, clip_low=d.clip_low, clip_high=d.clip_high,
-            clip_c=cfg.clip_ratio_c, agg_mode=cfg.loss_agg_mode, **agg,
+            clip_c=cfg.clip_ratio_c, agg_mode=cfg.loss_agg_mode, rollout_is_weights=micro.rollout_is_weights, **agg,
         )
         n = mask.bool().sum()
         loss = pg_loss

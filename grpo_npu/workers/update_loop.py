@@ -138,7 +138,7 @@ class UpdateLoop:
         ``totals`` collects the metric parts and the global token count (None: gradients only).
         """
         device = self.dev.torch_device()
-        num_tokens, num_seqs = global_counts(mini.response_mask, device)
+        num_tokens, num_seqs = global_counts(mini.loss_tokens(), device)  # rollout-rejected tokens excluded
         agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=self.horizon)
         groups = plan_micro_batches(mini, size=self.micro_size, max_tokens=self.max_tokens, dev=self.dev)
         scale = dist.get_world_size()  # FSDP averages gradients over ranks; the losses are global sums
