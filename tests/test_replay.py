@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from grpo_npu.config import load_config
 from grpo_npu.data.synthetic import write_synthetic
+from grpo_npu.determinism import DETERMINISTIC_ENV
 from grpo_npu.errors import ConfigError
 from grpo_npu.tools.compare_runs import main as compare_main
 from grpo_npu.trainer import Trainer
@@ -86,10 +87,21 @@ def test_dump_is_complete_and_safe(dumped):
         assert set(json.loads(meta["stop_reason"])) <= {"stop", "length"}
 
 
-def test_replay_reproduces_the_run_bitwise(tiny_model_path, task, dumped, tmp_path):
+@pytest.fixture
+def deterministic_preset_undone(monkeypatch):
+    """trainer.deterministic=True in an in-process worker changes this process: undo it after the test."""
+    for key in DETERMINISTIC_ENV:
+        monkeypatch.delenv(key, raising=False)  # restored by monkeypatch after the test
+    yield
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.deterministic = False
+
+
+def test_replay_reproduces_the_run_bitwise(tiny_model_path, task, dumped, tmp_path, deterministic_preset_undone):
     run_dir, dump = dumped
     original = read_metrics(run_dir)
-    replayed = _replay(tiny_model_path, task, dump, tmp_path / "replay")
+    replayed = _replay(tiny_model_path, task, dump, tmp_path / "replay", "trainer.deterministic=True")
+    assert torch.are_deterministic_algorithms_enabled()  # the preset reached the (in-process) worker
     for step in range(1, STEPS + 1):
         a, b = _compared(original[step]), _compared(replayed[step])
         assert set(TRAIN_KEYS) <= set(a) and set(b) == set(a), set(a) ^ set(b)
