@@ -4,7 +4,7 @@ Usage::
 
     PYTHONPATH=. python scripts/verl_corpus_census.py [-o tests/verl/census.txt]
 
-Reads ``tests/verl/verl_example_command_lines.jsonl`` and ``tests/verl/verl_0.9.1_ppo_trainer_keys.tsv``
+Reads ``tests/verl/verl_example_command_lines.jsonl`` and ``grpo_npu/config/verl_0.9.1_keys.tsv``
 (see tests/verl/README.md) and reports:
 
 1. every key the corpus sets, classed against the reference list: a reference key; below a reference key whose
@@ -30,7 +30,7 @@ from grpo_npu.errors import ConfigError
 
 HERE = Path(__file__).resolve().parent.parent / "tests" / "verl"
 CORPUS = HERE / "verl_example_command_lines.jsonl"
-KEYS = HERE / "verl_0.9.1_ppo_trainer_keys.tsv"
+KEYS = HERE.parent.parent / "grpo_npu" / "config" / "verl_0.9.1_keys.tsv"
 DUMMIES = {"{TINY_MODEL}": "/tmp/census/tiny-model", "{TRAIN_PARQUET}": "/tmp/census/train.parquet",
            "{VAL_PARQUET}": "/tmp/census/val.parquet", "{RUN_DIR}": "/tmp/census/run",
            "{VERL_ROOT}": "/tmp/census/verl"}
