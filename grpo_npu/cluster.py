@@ -31,7 +31,7 @@ def make_group(cfg: Config, worker_cls: type, args: tuple) -> WorkerGroup:
     if world == 1 and not os.environ.get("RAY_ADDRESS"):
         return LocalGroup(worker_cls, device_kind=cfg.trainer.device, args=args)
     return RayGroup(worker_cls, world_size=world, nnodes=cfg.trainer.nnodes, device_kind=cfg.trainer.device, args=args,
-                    ray_num_cpus=cfg.ray_init.num_cpus, start_timeout_s=cfg.trainer.ray_wait_register_center_timeout)
+                    ray_num_cpus=cfg.ray_init.num_cpus, ray_runtime_env=dict(cfg.ray_init.runtime_env), start_timeout_s=cfg.trainer.ray_wait_register_center_timeout)
 
 
 def check_stack(cfg: Config, *, with_rollout: bool) -> None:

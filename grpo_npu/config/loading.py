@@ -49,7 +49,7 @@ def _classify(key: str, value: str, prefix: str) -> tuple[str, str]:
     kind, _ = schema_node(target.split("."))
     if kind == "section":
         raise ConfigError(f"{key!r} is a config section, not a value; set one of its keys (see --help)")
-    if kind == "free" and not prefix and not is_verl_key(key) and free_dict_parent(key) is None:
+    if kind == "free" and not prefix and not is_verl_key(key):
         raise ConfigError(f"{key!r} adds a new key to a free-form dict: write +{key}={value}")
     if kind != "unknown":
         return "schema", target

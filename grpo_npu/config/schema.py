@@ -278,6 +278,8 @@ class RayInitConfig:
     """CPUs Ray may use on a local cluster (None: all)."""
     timeline_json_file: Optional[str] = None
     """Write a Ray timeline here at the end."""
+    runtime_env: Dict[str, Any] = free_dict()
+    """Ray runtime environment of the worker processes (e.g. py_executable; verl: ray_kwargs.ray_init.runtime_env)."""
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from grpo_npu.config.verl_keys import MISSING, interpolation, is_verl_key, verl_keys
+from grpo_npu.config.verl_keys import MISSING, config_defaults, interpolation, is_verl_key, verl_keys
 from grpo_npu.errors import ConfigError
 
 ALIAS, REFUSE = "alias", "refuse"
@@ -81,6 +82,10 @@ RULES: tuple[Rule, ...] = tuple([
     Rule("reward.reward_manager.name", ALIAS, target="reward_model.reward_manager"),
     Rule("reward.reward_model.enable", ALIAS, target="reward_model.enable"),
     Rule("reward.num_workers", ALIAS, target="reward_model.num_workers"),
+    Rule("reward.reward_kwargs.overlong_buffer_cfg.*", ALIAS, target="reward_model.overlong_buffer.*"),
+    Rule("reward_model.reward_kwargs.overlong_buffer_cfg.*", ALIAS, target="reward_model.overlong_buffer.*"),
+    *_refuse("a DAPO length other than data.max_response_length", "reward.reward_kwargs.max_resp_len",
+             "reward_model.reward_kwargs.max_resp_len", accepted=(None, "${data.max_response_length}")),
     Rule("actor_rollout_ref.actor.optim.clip_grad", ALIAS, target="actor_rollout_ref.actor.grad_clip"),
     Rule("critic.optim.clip_grad", ALIAS, target="critic.grad_clip"),
     Rule("actor_rollout_ref.actor.optim.lr_scheduler_type", ALIAS, target="actor_rollout_ref.actor.optim.warmup_style"),
@@ -94,6 +99,8 @@ RULES: tuple[Rule, ...] = tuple([
     *_refuse("deleting the local checkpoint after loading it", "trainer.del_local_ckpt_after_load", accepted=(False,)),
     *_refuse("scoring in the background", "reward_model.launch_reward_fn_async", accepted=(False,)),
     *_refuse("overlong-buffer logging", "reward_model.overlong_buffer.log", accepted=(False,)),
+    *_refuse("a Ray timeline", "ray_init.timeline_json_file", accepted=(None,)),
+    *_refuse("keeping the templated prompt text", "data.return_full_prompt", accepted=(False,)),
     *_refuse("raw input ids for a reward model with its own tokenizer", "data.return_raw_input_ids", accepted=(False,)),
     *_refuse("data-loader worker processes (prompts are tokenized up front)", "data.dataloader_num_workers",
              accepted=(0,)),
@@ -138,6 +145,31 @@ RULES: tuple[Rule, ...] = tuple([
 ])
 
 
+# verl's built-in config names (``--config-name``): "" = grpo_npu's defaults (plus the recipe's own
+# defaults from verl's key list, for the DAPO recipe), else the feature the config is made for.
+BUILTIN_CONFIGS: dict[str, str] = {
+    "ppo_trainer": "", "dapo_trainer": "", "ppo_megatron_trainer": MEGATRON, "dapo_megatron_trainer": MEGATRON,
+    "ppo_torchtitan_trainer": TORCHTITAN, "ppo_veomni_trainer": VEOMNI, "dapo_qat_trainer": QAT,
+    "dapo_qat_megatron_trainer": QAT, "deepeyes_multiturn_grpo": MULTI_TURN,
+}
+RECIPE_DEFAULTS = {"dapo_trainer": "dapo_recipe"}  # the key-list config whose defaults the name brings
+
+
+def builtin_config(name: str) -> list[str]:
+    """The overrides a verl built-in config name stands for; a one-line refusal for one grpo_npu cannot run."""
+    base = name.rsplit("/", 1)[-1].removesuffix(".yaml").removesuffix(".yml")
+    feature = BUILTIN_CONFIGS[base]
+    if feature:
+        raise ConfigError(f"not supported by grpo_npu: --config-name={name} ({feature})")
+    recipe = config_defaults(RECIPE_DEFAULTS[base]) if base in RECIPE_DEFAULTS else {}
+    return [f"{k}={json.dumps(v)}" for k, v in recipe.items() if interpolation(v) is None and not isinstance(v, (dict, list))]
+
+
+def is_builtin_config(name: str) -> bool:
+    """Whether ``name`` is one of verl's built-in config names (with or without .yaml)."""
+    return name.rsplit("/", 1)[-1].removesuffix(".yaml").removesuffix(".yml") in BUILTIN_CONFIGS
+
+
 @functools.cache
 def rule_for(key: str) -> Rule | None:
     """The first rule matching ``key`` (None: no rule; a verl key is then accepted at verl's default only)."""
@@ -150,7 +182,7 @@ def alias(key: str) -> str:
     if rule is None or rule.action != ALIAS:
         return key
     if rule.pattern.endswith("*"):
-        return rule.target + key[len(rule.pattern) - 1:]
+        return rule.target.rstrip("*") + key[len(rule.pattern) - 1:]
     return rule.target
 
 
@@ -210,7 +242,7 @@ def accepted_values(key: str, loaded: dict) -> tuple:
     """The values of ``key`` grpo_npu accepts: its rule's, else verl's default (empty: none)."""
     rule = rule_for(key)
     if rule is not None and rule.accepted is not None:
-        return rule.accepted
+        return tuple(_lookup(loaded, ref[0])[1] if (ref := interpolation(v)) else v for v in rule.accepted)
     known, default = verl_default(key, loaded)
     return (default,) if known else ()
 

@@ -33,17 +33,31 @@ class VerlKey:
 
 
 @functools.cache
-def verl_keys() -> dict[str, VerlKey]:
-    """key -> VerlKey for every row of the list (the first row's default when configs disagree)."""
-    rows: dict[str, VerlKey] = {}
+def _rows() -> tuple[tuple[str, Any, str], ...]:
+    """(key, default, config) for every row of the list."""
+    rows = []
     for line in KEYS_FILE.read_text().splitlines():
         if not line or line.startswith("#") or line.startswith("key\t"):
             continue
         key, default, _source, config = line.split("\t")
+        rows.append((key, json.loads(default), config))
+    return tuple(rows)
+
+
+def config_defaults(config: str) -> dict[str, Any]:
+    """key -> default of the keys one config of the list declares (e.g. ``dapo_recipe``)."""
+    return {key: default for key, default, c in _rows() if c == config}
+
+
+@functools.cache
+def verl_keys() -> dict[str, VerlKey]:
+    """key -> VerlKey for every row of the list (the first row's default when configs disagree)."""
+    rows: dict[str, VerlKey] = {}
+    for key, default, config in _rows():
         if key in rows:
             rows[key] = VerlKey(key, rows[key].default, rows[key].configs + (config,))
         else:
-            rows[key] = VerlKey(key, json.loads(default), (config,))
+            rows[key] = VerlKey(key, default, (config,))
     return rows
 
 

@@ -217,6 +217,7 @@ class RayGroup(WorkerGroup):
         kwargs: dict | None = None,
         num_cpus_per_worker: float = 1,
         ray_num_cpus: int | None = None,
+        ray_runtime_env: dict | None = None,
         start_timeout_s: float = 300,
     ):
         if world_size < 1 or nnodes < 1 or world_size % nnodes:
@@ -234,8 +235,9 @@ class RayGroup(WorkerGroup):
             # checkpoints and shuts the cluster down itself; the reaper covers a driver that dies instead.
             unblock = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             try:
+                runtime_env = {k: v for k, v in (ray_runtime_env or {}).items() if v is not None} or None
                 ray.init(address=address or "local", num_cpus=None if address else ray_num_cpus,
-                         ignore_reinit_error=True, log_to_driver=True)
+                         runtime_env=runtime_env, ignore_reinit_error=True, log_to_driver=True)
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, unblock)
             self.reaper = start_reaper(os.getpid(), ray_node_pids())  # the cluster dies with this driver
