@@ -24,7 +24,7 @@ from grpo_npu.config.keys import all_keys, iter_keys, schema_node, suggest
 from grpo_npu.config.schema import Config
 from grpo_npu.config.support import alias, check_schema_values, check_verl_value, known_to_verl
 from grpo_npu.config.validation import validate
-from grpo_npu.config.verl_keys import VERL_VERSION, free_dict_parent, is_verl_key, is_verl_section
+from grpo_npu.config.verl_keys import VERL_VERSION, free_dict_parent, in_base_config, is_verl_key, is_verl_section
 from grpo_npu.errors import ConfigError
 
 
@@ -42,7 +42,7 @@ class Overrides:
 
 def _classify(key: str, value: str, prefix: str) -> tuple[str, str]:
     """('schema', grpo_npu key) | ('verl', verl key) for one override; refuses an unknown key in one line."""
-    if prefix == "+" and is_verl_key(key):
+    if prefix == "+" and in_base_config(key):
         raise ConfigError(f"+{key}={value}: verl already declares {key}, so Hydra refuses to add it; "
                           f"write {key}={value} (or ++{key}={value})")
     target = alias(key)

@@ -100,6 +100,10 @@ RULES: tuple[Rule, ...] = tuple([
     *_refuse("scoring in the background", "reward_model.launch_reward_fn_async", accepted=(False,)),
     *_refuse("overlong-buffer logging", "reward_model.overlong_buffer.log", accepted=(False,)),
     *_refuse("a Ray timeline", "ray_init.timeline_json_file", accepted=(None,)),
+    *_refuse("parallel prompt tokenizing (prompts are tokenized in one batched call)",
+             "data.filter_overlong_prompts_workers", accepted=(1,)),
+    *_refuse("a critic checkpoint retention of its own (the critic is saved in the same checkpoint: "
+             "trainer.max_actor_ckpt_to_keep)", "trainer.max_critic_ckpt_to_keep", accepted=(None,)),
     *_refuse("keeping the templated prompt text", "data.return_full_prompt", accepted=(False,)),
     *_refuse("raw input ids for a reward model with its own tokenizer", "data.return_raw_input_ids", accepted=(False,)),
     *_refuse("data-loader worker processes (prompts are tokenized up front)", "data.dataloader_num_workers",

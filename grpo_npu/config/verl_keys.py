@@ -71,6 +71,12 @@ def is_verl_key(key: str) -> bool:
     return key in verl_keys()
 
 
+def in_base_config(key: str) -> bool:
+    """Whether verl's ``ppo_trainer`` config itself declares ``key`` (Hydra's ``+key`` is an error then)."""
+    row = verl_keys().get(key)
+    return row is not None and "ppo_trainer" in row.configs
+
+
 def is_verl_section(key: str) -> bool:
     """Whether ``key`` is a section of verl's config (a prefix of some of its keys)."""
     return key in _prefixes()
