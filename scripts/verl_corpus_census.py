@@ -166,7 +166,7 @@ def main() -> int:
     # 2. today's parser
     outcomes = [load_outcome([dummy(a) for a in r["args"]]) for r in lines]
     say("")
-    say("2. today's parser (grpo_npu.config.split_argv + load_config), placeholders swapped for dummy paths:")
+    say("2. grpo_npu's parser (grpo_npu.config.split_argv + load_config, with support.py's dispositions), placeholders swapped for dummy paths:")
     totals = collections.Counter(kind for kind, _, _ in outcomes)
     say("  " + ", ".join(f"{kind} {totals[kind]}" for kind in ("accepted", "refused", "unknown key", "exception")))
     for r, (kind, _, _) in zip(lines, outcomes):
@@ -187,7 +187,7 @@ def main() -> int:
     for r in lines:
         for key in {arg_key(a) for a in r["args"] if unknown_to_parser(a, cache)}:
             blocking[key] += 1
-    say(f"  -- every key today's parser calls unknown ({len(blocking)}), with the command lines holding it:")
+    say(f"  -- every key the parser calls unknown ({len(blocking)}), with the command lines holding it:")
     for key, n in sorted(blocking.items(), key=lambda kv: (-kv[1], kv[0])):
         say(f"     {n:4d}  {key}   [{classify(key, ref, key in added)}]")
 

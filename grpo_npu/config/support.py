@@ -115,6 +115,8 @@ RULES: tuple[Rule, ...] = tuple([
     *_refuse("custom FSDP wrap policies (FSDP2 wraps each decoder layer, then the root)",
              "*.fsdp_config.wrap_policy.min_num_params", accepted=(0,)),
     *_refuse(TORCH_COMPILE, "*use_torch_compile", accepted=(False,)),
+    *_refuse("verl's worker-implementation switch (newer verl); grpo_npu has one worker implementation",
+             "trainer.use_legacy_worker_impl", accepted=("auto",)),
     # whole features
     *_refuse(HYDRA, "hydra.*", "*@*", accepted=()),
     *_refuse(MEGATRON, "*.megatron", "*.megatron.*", accepted=None),
@@ -193,9 +195,15 @@ def alias(key: str) -> str:
 def parse_value(text: str) -> Any:
     """A command-line value as Hydra reads it (``True`` -> True, ``null`` -> None, ``[a,b]`` -> a list)."""
     try:
-        return yaml.safe_load(text) if text.strip() else ""
+        value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
         return text
+    if isinstance(value, str):  # YAML 1.1 reads 1e-08 as text; Hydra as a float
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _same(a: Any, b: Any) -> bool:
