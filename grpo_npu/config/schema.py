@@ -277,7 +277,7 @@ class RayInitConfig:
     num_cpus: Optional[int] = None
     """CPUs Ray may use on a local cluster (None: all)."""
     timeline_json_file: Optional[str] = None
-    """Write a Ray timeline here at the end."""
+    """Write Ray's timeline (chrome://tracing JSON) here when the run ends; the workers then run under Ray."""
     runtime_env: Dict[str, Any] = free_dict()
     """Ray runtime environment of the worker processes (e.g. py_executable; verl: ray_kwargs.ray_init.runtime_env)."""
 

@@ -99,7 +99,6 @@ RULES: tuple[Rule, ...] = tuple([
     *_refuse("deleting the local checkpoint after loading it", "trainer.del_local_ckpt_after_load", accepted=(False,)),
     *_refuse("scoring in the background", "reward_model.launch_reward_fn_async", accepted=(False,)),
     *_refuse("overlong-buffer logging", "reward_model.overlong_buffer.log", accepted=(False,)),
-    *_refuse("a Ray timeline", "ray_init.timeline_json_file", accepted=(None,)),
     *_refuse("parallel prompt tokenizing (prompts are tokenized in one batched call)",
              "data.filter_overlong_prompts_workers", accepted=(1,)),
     *_refuse("a critic checkpoint retention of its own (the critic is saved in the same checkpoint: "
