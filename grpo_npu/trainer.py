@@ -374,10 +374,7 @@ class Trainer:
         return next(self._batches)
 
     def _dataset(self, files) -> RLDataset:
-        d = self.cfg.data
-        return RLDataset(list(files), self.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-                         truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
-                         return_raw_chat=d.return_raw_chat, reward_fn_key=d.reward_fn_key)
+        return RLDataset.from_config(list(files), self.tokenizer, self.cfg.data)
 
     def _val_batch_size(self) -> int | None:
         size = self.cfg.data.val_batch_size

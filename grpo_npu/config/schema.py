@@ -66,6 +66,8 @@ class DataConfig:
     """Allow tokenizers with custom code."""
     dataloader_num_workers: int = 0
     """Kept for verl compatibility; prompts are tokenized up front."""
+    apply_chat_template_kwargs: Dict[str, Any] = free_dict()
+    """Extra arguments of the chat template, e.g. +data.apply_chat_template_kwargs.enable_thinking=False."""
 
 
 @dataclass(frozen=True)
