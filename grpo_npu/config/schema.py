@@ -59,7 +59,7 @@ class DataConfig:
     filter_overlong_prompts: bool = False
     """Drop prompts longer than max_prompt_length before training (and report how many)."""
     filter_overlong_prompts_workers: int = 1
-    """Processes used to tokenize while filtering (verl compatibility; batched tokenizing is used)."""
+    """Threads that tokenize the prompts when the dataset is built (verl: processes of the overlong filter)."""
     truncation: str = choice("error", TRUNCATION_MODES)
     """What to do with a prompt longer than max_prompt_length: error|left|right|middle."""
     trust_remote_code: bool = False

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -146,6 +147,7 @@ class RLDataset:
         reward_fn_key: str = "data_source",
         apply_chat_template_kwargs: dict | None = None,
         media_columns: Sequence[str] = (),
+        tokenize_workers: int = 1,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r}; expected one of {TRUNCATION_MODES}")
@@ -163,6 +165,7 @@ class RLDataset:
         self.reward_fn_key = reward_fn_key
         self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})
         self.media_columns = tuple(media_columns)
+        self.tokenize_workers = max(1, tokenize_workers)
 
         rows, origins = self._read_rows()
         messages = [_check_chat(row[prompt_key], where, prompt_key) for row, where in zip(rows, origins)]
@@ -208,7 +211,8 @@ class RLDataset:
                    truncation=data.truncation, filter_overlong_prompts=data.filter_overlong_prompts,
                    return_raw_chat=data.return_raw_chat, return_full_prompt=data.return_full_prompt,
                    reward_fn_key=data.reward_fn_key, apply_chat_template_kwargs=dict(data.apply_chat_template_kwargs),
-                   media_columns=[VERL_MEDIA_COLUMNS[k] for k in sorted(VERL_MEDIA_COLUMNS)])
+                   media_columns=[VERL_MEDIA_COLUMNS[k] for k in sorted(VERL_MEDIA_COLUMNS)],
+                   tokenize_workers=data.filter_overlong_prompts_workers)
 
     def _read_rows(self) -> tuple[list[dict], list[str]]:
         """All rows of all files, and a "file row k" label for each (for error messages)."""
@@ -239,7 +243,16 @@ class RLDataset:
             raise ValueError("the tokenizer has no chat_template; RL prompts are chat lists and need one")
         texts = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                                    **self.apply_chat_template_kwargs)
-        return texts, self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        n = min(self.tokenize_workers, len(texts))
+        if n <= 1:
+            return texts, self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        # data.filter_overlong_prompts_workers: chunks tokenized on threads (fast tokenizers release the GIL)
+        bounds = np.linspace(0, len(texts), n + 1).astype(int)
+        chunks = [texts[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        with ThreadPoolExecutor(n) as pool:
+            parts = pool.map(lambda c: self.tokenizer(c, add_special_tokens=False, return_attention_mask=False)["input_ids"],
+                             chunks)
+            return texts, [ids for part in parts for ids in part]
 
     def __len__(self) -> int:
         return len(self._token_ids)

@@ -322,3 +322,11 @@ def test_media_columns_are_refused(tiny_tokenizer, parquet):
         RLDataset.from_config([parquet(with_images, "vl.parquet")], tiny_tokenizer, data)
     no_images = [dict(r, images=None) for r in rows]  # an empty media column is text-only data
     assert len(RLDataset.from_config([parquet(no_images, "text.parquet")], tiny_tokenizer, data)) == 2
+
+
+def test_tokenize_workers_give_the_same_ids(tiny_tokenizer, parquet):
+    """data.filter_overlong_prompts_workers: chunks on threads, the same ids in the same order as one call."""
+    path = parquet(_rows(7))
+    one = RLDataset(path, tiny_tokenizer, max_prompt_length=256)
+    three = RLDataset(path, tiny_tokenizer, max_prompt_length=256, tokenize_workers=3)
+    assert [one[i].raw_prompt_ids for i in range(7)] == [three[i].raw_prompt_ids for i in range(7)]
