@@ -140,3 +140,17 @@ def test_plain_fsdp_text_lines_are_accepted():
         if kind == "refused":
             named = [k for k in NOT_IMPLEMENTED if k + "=" in message or f"'{k}'" in message]
             assert named, (r["script"], message)
+
+
+def test_a_verl_yaml_is_read_with_the_same_dispositions(tmp_path):
+    """A YAML holding verl keys grpo_npu lacks: accepted at verl's defaults, refused otherwise, aliases mapped."""
+    good = tmp_path / "good.yaml"
+    good.write_text("actor_rollout_ref:\n  rollout:\n    multi_turn:\n      enable: false\n"
+                    "ray_kwargs:\n  ray_init:\n    num_cpus: 5\ndata:\n  image_key: images\n")
+    cfg = load_config(BASE, str(good))
+    assert cfg.ray_init.num_cpus == 5
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor_rollout_ref:\n  rollout:\n    multi_turn:\n      enable: true\n")
+    with pytest.raises(ConfigError, match=r"^not supported by grpo_npu: actor_rollout_ref\.rollout\.multi_turn\.enable="
+                                          r"true \(multi-turn"):
+        load_config(BASE, str(bad))

@@ -94,8 +94,10 @@ def parse_overrides(items: list[str]) -> DictConfig:
     return read_overrides(items).tree
 
 
-def _check_tree(node: Any, path: list[str], source: str, verl_only: list[tuple[str, str]]) -> None:
-    """Reject unknown keys in a YAML tree before merging; move the keys only verl knows to ``verl_only``."""
+def _check_tree(node: Any, path: list[str], source: str, verl_only: list[tuple[str, str]],
+                moved: list[tuple[str, Any]]) -> None:
+    """Reject unknown keys in a YAML tree before merging; move the keys only verl knows to ``verl_only`` and
+    verl's second homes of grpo_npu keys to ``moved`` (grpo_npu key, value)."""
     if not isinstance(node, (dict, DictConfig)):
         return
     for k in list(node.keys()):
@@ -103,9 +105,13 @@ def _check_tree(node: Any, path: list[str], source: str, verl_only: list[tuple[s
         sub = path + [str(k)]
         kind, _ = schema_node(sub)
         key = ".".join(sub)
-        if kind == "unknown":
+        target = alias(key)
+        if kind == "unknown" and target != key and schema_node(target.split("."))[0] != "unknown":
+            moved.append((target, OmegaConf.to_container(v) if isinstance(v, (DictConfig, ListConfig)) else v))
+            node.pop(k)
+        elif kind == "unknown":
             if is_verl_section(key) and isinstance(v, (dict, DictConfig)):
-                _check_tree(v, sub, source, verl_only)
+                _check_tree(v, sub, source, verl_only, moved)
                 if not len(v):
                     node.pop(k)
                 continue
@@ -115,7 +121,7 @@ def _check_tree(node: Any, path: list[str], source: str, verl_only: list[tuple[s
             verl_only.append((key, plain if isinstance(plain, str) else json.dumps(plain)))
             node.pop(k)
         elif kind == "section":
-            _check_tree(v, sub, source, verl_only)
+            _check_tree(v, sub, source, verl_only, moved)
 
 
 def _listify(node: DictConfig, path: list[str] = ()) -> None:
@@ -154,7 +160,10 @@ def _load_yaml(yaml_path: str, verl_only: list[tuple[str, str]]) -> DictConfig:
         raise ConfigError(f"config file {yaml_path!r} must hold a mapping at the top level")
     yaml_cfg.pop("defaults", None)  # hydra's defaults list: our defaults are the dataclasses
     yaml_cfg.pop("hydra", None)
-    _check_tree(yaml_cfg, [], yaml_path, verl_only)
+    moved: list[tuple[str, Any]] = []
+    _check_tree(yaml_cfg, [], yaml_path, verl_only, moved)
+    for key, value in moved:
+        OmegaConf.update(yaml_cfg, key, value, force_add=True)
     _listify(yaml_cfg)
     return yaml_cfg
 
