@@ -85,7 +85,8 @@ class Trainer:
             self.reward_fn = get_reward_manager(
                 rm.reward_manager, tokenizer=self.tokenizer, compute_score=compute_score, num_workers=rm.num_workers,
                 max_response_length=self.derived.response_length, overlong_buffer_enable=ob.enable,
-                overlong_buffer_len=ob.len, overlong_penalty_factor=ob.penalty_factor, sandbox=sandbox)
+                overlong_buffer_len=ob.len, overlong_penalty_factor=ob.penalty_factor, overlong_buffer_log=ob.log,
+                sandbox=sandbox)
             self.val_reward_fn = get_reward_manager("naive", tokenizer=self.tokenizer, compute_score=compute_score,
                                                     num_workers=rm.num_workers, sandbox=sandbox)
             kc = cfg.algorithm.kl_ctrl

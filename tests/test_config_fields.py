@@ -111,7 +111,8 @@ def test_the_walk_sees_reads_and_misses():
     assert _read_somewhere("actor_rollout_ref.actor.grad_clip")
     assert _read_somewhere("reward_model.overlong_buffer.penalty_factor")
     assert not _read_somewhere("trainer.del_local_ckpt_after_load")
-    assert not _read_somewhere("reward_model.overlong_buffer.log")  # tracker.log(...) is a call, not this field
+    assert not _read_somewhere("reward_model.launch_reward_fn_async")
+    assert _read_somewhere("reward_model.overlong_buffer.log")  # ob.log; tracker.log(...) alone (a call) would not count
 
 
 def _other_value(key: str, accepted: tuple, default):

@@ -135,7 +135,7 @@ class OverlongBufferConfig:
     penalty_factor: float = 1.0
     """Penalty at the hard limit."""
     log: bool = False
-    """Log overlong statistics."""
+    """Log the batch's mean overlong reward and overlong fraction (reward/overlong_reward/mean, reward/overlong/mean)."""
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,6 @@ RULES: tuple[Rule, ...] = tuple([
     *_refuse("HDFS upload", "trainer.default_hdfs_dir", accepted=(None,)),
     *_refuse("deleting the local checkpoint after loading it", "trainer.del_local_ckpt_after_load", accepted=(False,)),
     *_refuse("scoring in the background", "reward_model.launch_reward_fn_async", accepted=(False,)),
-    *_refuse("overlong-buffer logging", "reward_model.overlong_buffer.log", accepted=(False,)),
     *_refuse("a critic checkpoint retention of its own (the critic is saved in the same checkpoint: "
              "trainer.max_actor_ckpt_to_keep)", "trainer.max_critic_ckpt_to_keep", accepted=(None,)),
     *_refuse("keeping the templated prompt text", "data.return_full_prompt", accepted=(False,)),

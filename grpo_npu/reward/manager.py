@@ -11,7 +11,8 @@ with no token carries none (its score is still reported).
 
 Per-row info (``RewardOutput.extra``, one dict per row): ``score`` (the scorer's), ``acc`` (the
 scorer's, else the score, as verl's DAPO manager does), ``pred`` (the extracted answer, or None),
-any other keys the scorer returned, and for dapo ``overlong_reward`` and ``overlong``.
+any other keys the scorer returned, and for dapo ``overlong_reward`` and ``overlong`` (their batch means
+are metrics with ``reward_model.overlong_buffer.log``).
 
 Scoring runs through :class:`grpo_npu.reward.parallel.Scorer`: custom functions in the reward sandbox
 (per-row timeout, worker processes a crash cannot take down), bounded built-in scorers in this process.
@@ -105,8 +106,13 @@ class NaiveRewardManager:
         token_level_scores = torch.zeros(B, T, dtype=torch.float32)
         has_token = last >= 0
         token_level_scores[has_token.nonzero().squeeze(1), last[has_token]] = rewards[has_token]
-        metrics = {"reward/timeouts": float(scored.timeouts), "reward/errors": float(scored.errors)}
+        metrics = {"reward/timeouts": float(scored.timeouts), "reward/errors": float(scored.errors),
+                   **self.batch_metrics(extra)}
         return RewardOutput(token_level_scores=token_level_scores, extra=extra, metrics=metrics)
+
+    def batch_metrics(self, extra: list[dict]) -> dict[str, float]:
+        """Metrics of one scored batch beyond the failure counts (none for naive)."""
+        return {}
 
     def shape_rewards(self, scores: torch.Tensor, lengths: torch.Tensor, extra: list[dict]) -> torch.Tensor:
         """(B,) final reward from (B,) scores and response lengths; may add per-row info."""
@@ -139,8 +145,10 @@ class DAPORewardManager(NaiveRewardManager):
         overlong_buffer_enable: bool = False,
         overlong_buffer_len: int = 0,
         overlong_penalty_factor: float = 1.0,
+        overlong_buffer_log: bool = False,
     ) -> None:
         super().__init__(tokenizer, compute_score, num_workers=num_workers, sandbox=sandbox)
+        self.overlong_log = overlong_buffer_log
         if overlong_buffer_enable and max_response_length is None:
             raise ValueError("reward_model.overlong_buffer.enable=True needs data.max_response_length")
         self.overlong_enable = overlong_buffer_enable
@@ -164,6 +172,13 @@ class DAPORewardManager(NaiveRewardManager):
             info["overlong"] = p < 0
         return scores + penalty
 
+    def batch_metrics(self, extra: list[dict]) -> dict[str, float]:
+        """reward_model.overlong_buffer.log: the batch's mean overlong reward and overlong fraction."""
+        if not (self.overlong_enable and self.overlong_log) or not extra:
+            return {}
+        return {"reward/overlong_reward/mean": sum(e["overlong_reward"] for e in extra) / len(extra),
+                "reward/overlong/mean": sum(bool(e["overlong"]) for e in extra) / len(extra)}
+
 
 REWARD_MANAGERS = {cls.name: cls for cls in (NaiveRewardManager, DAPORewardManager)}
 
@@ -179,6 +194,7 @@ def get_reward_manager(
     overlong_buffer_enable: bool = False,
     overlong_buffer_len: int = 0,
     overlong_penalty_factor: float = 1.0,
+    overlong_buffer_log: bool = False,
 ) -> NaiveRewardManager:
     """The reward manager ``name`` (reward_model.reward_manager): naive | dapo.
 
@@ -199,4 +215,5 @@ def get_reward_manager(
         overlong_buffer_enable=overlong_buffer_enable,
         overlong_buffer_len=overlong_buffer_len,
         overlong_penalty_factor=overlong_penalty_factor,
+        overlong_buffer_log=overlong_buffer_log,
     )
