@@ -96,7 +96,8 @@ RULES: tuple[Rule, ...] = tuple([
              "actor_rollout_ref.model.use_liger", accepted=(False,)),
     *_refuse("activation offload", "actor_rollout_ref.model.enable_activation_offload", accepted=(False,)),
     *_refuse("HDFS upload", "trainer.default_hdfs_dir", accepted=(None,)),
-    *_refuse("deleting the local checkpoint after loading it", "trainer.del_local_ckpt_after_load", accepted=(False,)),
+    *_refuse("deleting the local checkpoint after loading it (with no HDFS copy here it is the only one)",
+             "trainer.del_local_ckpt_after_load", accepted=(False,)),
     *_refuse("scoring in the background", "reward_model.launch_reward_fn_async", accepted=(False,)),
     *_refuse("a critic checkpoint retention of its own (the critic is saved in the same checkpoint: "
              "trainer.max_actor_ckpt_to_keep)", "trainer.max_critic_ckpt_to_keep", accepted=(None,)),
