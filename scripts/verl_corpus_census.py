@@ -182,6 +182,13 @@ def main() -> int:
                 else:
                     example = next(m for k, g, m in outcomes if k == kind and g == group)
                     say(f"     {n:4d}  {group}   e.g. {example[:160]}")
+    features = collections.Counter(
+        (m.group(1) if (m := re.match(r"not supported by grpo_npu: \S+ \((.*?)\)(;|$)", msg)) else "(a value the key's "
+         "accepted list lacks)" if "is not accepted" in msg else "(the key alone)")
+        for kind, _, msg in outcomes if kind == "refused")
+    say("  -- refused, by the feature the message names:")
+    for feature, n in features.most_common():
+        say(f"     {n:4d}  {feature}")
     cache: dict[str, bool] = {}
     blocking: dict[str, int] = collections.Counter()
     for r in lines:

@@ -153,3 +153,19 @@ def test_a_verl_yaml_is_read_with_the_same_dispositions(tmp_path):
     with pytest.raises(ConfigError, match=r"^not supported by grpo_npu: actor_rollout_ref\.rollout\.multi_turn\.enable="
                                           r"true \(multi-turn"):
         load_config(BASE, str(bad))
+
+
+def test_the_table_has_no_dead_rows():
+    """Each alias lands on a grpo_npu key; each pattern matches a key of verl's list, the schema or the corpus."""
+    import fnmatch
+
+    from grpo_npu.config.keys import all_keys
+    from grpo_npu.config.support import ALIAS, RULES
+
+    corpus_keys = {a.lstrip("+~").split("=", 1)[0] for r in _corpus() for a in r["args"] if not a.startswith("-")}
+    known = set(verl_keys()) | set(all_keys()) | corpus_keys
+    for rule in RULES:
+        assert any(fnmatch.fnmatchcase(k, rule.pattern) for k in known), f"no key matches {rule.pattern!r}"
+        if rule.action == ALIAS:
+            target = rule.target.rstrip("*").rstrip(".")
+            assert schema_node(target.split("."))[0] in ("leaf", "section"), rule

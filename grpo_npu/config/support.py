@@ -116,7 +116,7 @@ RULES: tuple[Rule, ...] = tuple([
              "trainer.use_legacy_worker_impl", accepted=("auto",)),
     # whole features
     *_refuse(HYDRA, "hydra.*", "*@*", accepted=()),
-    *_refuse(MEGATRON, "*.megatron", "*.megatron.*", accepted=None),
+    *_refuse(MEGATRON, "*.megatron.*", accepted=None),
     *_refuse(BACKEND, "*strategy", accepted=("fsdp", "fsdp2")),
     *_refuse(MODEL_ENGINE, "model_engine", "*.model_engine", accepted=("dp",)),
     *_refuse(MODEL_ENGINE, "*.engine.*"),
