@@ -84,7 +84,8 @@ class Trainer:
             ob = rm.overlong_buffer
             sandbox = SandboxSettings(timeout_s=rm.timeout_s, fallback_score=rm.fallback_score,
                                       max_failed_fraction=rm.max_failed_fraction, memory_limit_mb=rm.memory_limit_mb)
-            overlong = OverlongShaping(self.derived.response_length, ob.len, ob.penalty_factor) if ob.enable else None
+            overlong = (OverlongShaping(self.derived.response_length, ob.len, ob.penalty_factor, ob.log)
+                        if ob.enable else None)
             self.reward_fn = get_reward_manager(rm.reward_manager, tokenizer=self.tokenizer, compute_score=compute_score,
                                                 num_workers=rm.num_workers, sandbox=sandbox, overlong=overlong)
             self.val_reward_fn = get_reward_manager("naive", tokenizer=self.tokenizer, compute_score=compute_score,
@@ -377,10 +378,7 @@ class Trainer:
         return next(self._batches)
 
     def _dataset(self, files) -> RLDataset:
-        d = self.cfg.data
-        return RLDataset(list(files), self.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-                         truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
-                         return_raw_chat=d.return_raw_chat, reward_fn_key=d.reward_fn_key)
+        return RLDataset.from_config(list(files), self.tokenizer, self.cfg.data)
 
     def _val_batch_size(self) -> int | None:
         size = self.cfg.data.val_batch_size

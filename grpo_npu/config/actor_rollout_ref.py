@@ -281,6 +281,8 @@ class RolloutConfig:
 class ActorRolloutRefConfig:
     hybrid_engine: bool = True
     """Actor, rollout and reference share the same workers (the only mode implemented)."""
+    nccl_timeout: int = 600
+    """Seconds a collective may wait before the process group fails (torch.distributed timeout; HCCL/NCCL/gloo)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     actor: ActorConfig = field(default_factory=ActorConfig)

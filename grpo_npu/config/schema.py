@@ -59,13 +59,15 @@ class DataConfig:
     filter_overlong_prompts: bool = False
     """Drop prompts longer than max_prompt_length before training (and report how many)."""
     filter_overlong_prompts_workers: int = 1
-    """Processes used to tokenize while filtering (verl compatibility; batched tokenizing is used)."""
+    """Threads that tokenize the prompts when the dataset is built (verl: processes of the overlong filter)."""
     truncation: str = choice("error", TRUNCATION_MODES)
     """What to do with a prompt longer than max_prompt_length: error|left|right|middle."""
     trust_remote_code: bool = False
     """Allow tokenizers with custom code."""
     dataloader_num_workers: int = 0
     """Kept for verl compatibility; prompts are tokenized up front."""
+    apply_chat_template_kwargs: Dict[str, Any] = free_dict()
+    """Extra arguments of the chat template, e.g. +data.apply_chat_template_kwargs.enable_thinking=False."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ class OverlongBufferConfig:
     penalty_factor: float = 1.0
     """Penalty at the hard limit."""
     log: bool = False
-    """Log overlong statistics."""
+    """Log the batch's mean overlong reward and overlong fraction (reward/overlong_reward/mean, reward/overlong/mean)."""
 
 
 @dataclass(frozen=True)
@@ -301,7 +303,9 @@ class RayInitConfig:
     num_cpus: Optional[int] = None
     """CPUs Ray may use on a local cluster (None: all)."""
     timeline_json_file: Optional[str] = None
-    """Write a Ray timeline here at the end."""
+    """Write Ray's timeline (chrome://tracing JSON) here when the run ends; the workers then run under Ray."""
+    runtime_env: Dict[str, Any] = free_dict()
+    """Ray runtime environment of the worker processes (e.g. py_executable; verl: ray_kwargs.ray_init.runtime_env)."""
 
 
 @dataclass(frozen=True)

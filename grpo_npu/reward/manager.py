@@ -11,7 +11,8 @@ with no token carries none (its score is still reported).
 
 Per-row info (``RewardOutput.extra``, one dict per row): ``score`` (the scorer's), ``acc`` (the
 scorer's, else the score, as verl's DAPO manager does), ``pred`` (the extracted answer, or None),
-any other keys the scorer returned, and for dapo ``overlong_reward`` and ``overlong``.
+any other keys the scorer returned, and for dapo ``overlong_reward`` and ``overlong`` (their batch means
+are metrics with ``reward_model.overlong_buffer.log``).
 
 Scoring runs through :class:`grpo_npu.reward.parallel.Scorer`: custom functions in the reward sandbox
 (per-row timeout, worker processes a crash cannot take down), bounded built-in scorers in this process.
@@ -21,7 +22,6 @@ A failed row scores ``sandbox.fallback_score``; ``RewardOutput.metrics`` counts 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -106,8 +106,13 @@ class NaiveRewardManager:
         token_level_scores = torch.zeros(B, T, dtype=torch.float32)
         has_token = last >= 0
         token_level_scores[has_token.nonzero().squeeze(1), last[has_token]] = rewards[has_token]
-        metrics = {"reward/timeouts": float(scored.timeouts), "reward/errors": float(scored.errors)}
+        metrics = {"reward/timeouts": float(scored.timeouts), "reward/errors": float(scored.errors),
+                   **self.batch_metrics(extra)}
         return RewardOutput(token_level_scores=token_level_scores, extra=extra, metrics=metrics)
+
+    def batch_metrics(self, extra: list[dict]) -> dict[str, float]:
+        """Metrics of one scored batch beyond the failure counts (none for naive)."""
+        return {}
 
     def shape_rewards(self, scores: torch.Tensor, lengths: torch.Tensor, extra: list[dict]) -> torch.Tensor:
         """(B,) final reward from (B,) scores and response lengths; may add per-row info."""
@@ -131,6 +136,7 @@ class OverlongShaping:
     max_response_length: int
     buffer_len: int
     penalty_factor: float = 1.0
+    log: bool = False  # reward_model.overlong_buffer.log: the batch means as metrics
 
 
 class DAPORewardManager(NaiveRewardManager):
@@ -148,11 +154,20 @@ class DAPORewardManager(NaiveRewardManager):
     def shape_rewards(self, scores: torch.Tensor, lengths: torch.Tensor, extra: list[dict]) -> torch.Tensor:
         if self.overlong is None:
             return scores
-        penalty = overlong_penalty(lengths, **dataclasses.asdict(self.overlong))  # (B,) <= 0
+        o = self.overlong
+        penalty = overlong_penalty(lengths, max_response_length=o.max_response_length, buffer_len=o.buffer_len,
+                                   penalty_factor=o.penalty_factor)  # (B,) <= 0
         for info, p in zip(extra, penalty.tolist()):
             info["overlong_reward"] = p
             info["overlong"] = p < 0
         return scores + penalty
+
+    def batch_metrics(self, extra: list[dict]) -> dict[str, float]:
+        """reward_model.overlong_buffer.log: the batch's mean overlong reward and overlong fraction."""
+        if self.overlong is None or not self.overlong.log or not extra:
+            return {}
+        return {"reward/overlong_reward/mean": sum(e["overlong_reward"] for e in extra) / len(extra),
+                "reward/overlong/mean": sum(bool(e["overlong"]) for e in extra) / len(extra)}
 
 
 REWARD_MANAGERS = {cls.name: cls for cls in (NaiveRewardManager, DAPORewardManager)}

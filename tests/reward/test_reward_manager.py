@@ -111,6 +111,20 @@ def test_dapo_overlong_penalty(tiny_tokenizer, buffer_len, factor):
         assert out.token_level_scores[i, n - 1].item() == pytest.approx(scores[i] + penalty)
         assert out.token_level_scores[i].count_nonzero() <= 1
     assert any(out.column("overlong")) and not all(out.column("overlong"))
+    assert "reward/overlong_reward/mean" not in out.metrics  # only with reward_model.overlong_buffer.log
+
+
+def test_dapo_overlong_log_metrics(tiny_tokenizer):
+    """reward_model.overlong_buffer.log: the batch means of overlong_reward and overlong become metrics."""
+    texts = ["#### 42", "#### 42" + " z" * 13, "#### 42" + " x" * 8]
+    ids, mask = make_batch(tiny_tokenizer, texts, width=32)
+    manager = get_reward_manager("dapo", tokenizer=tiny_tokenizer,
+                                 overlong=OverlongShaping(32, buffer_len=16, log=True))
+    out = manager(ids, mask, ["openai/gsm8k"] * 3, ["42"] * 3)
+    rewards = out.column("overlong_reward")
+    assert out.metrics["reward/overlong_reward/mean"] == pytest.approx(sum(rewards) / 3)
+    assert out.metrics["reward/overlong/mean"] == pytest.approx(sum(r < 0 for r in rewards) / 3)
+    assert 0 < out.metrics["reward/overlong/mean"] < 1
 
 
 def test_dapo_without_buffer_equals_naive(tiny_tokenizer):
