@@ -89,7 +89,7 @@ def test_second_homes_act():
     ("actor_rollout_ref.actor.strategy", "megatron", "training backend"),
     ("actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", "2", "sequence parallelism"),
     ("model_engine", "veomni", "model engine"),
-    ("algorithm.rollout_correction.rollout_is", "token", "rollout correction"),
+    ("algorithm.rollout_correction.bypass_mode", "True", "bypass mode"),
 ])
 def test_whole_features_are_refused_naming_the_feature(key, value, feature):
     with pytest.raises(ConfigError, match=rf"^not supported by grpo_npu: {key}={value} \([^)]*{feature}"):

@@ -30,8 +30,6 @@ ROLLOUT_IS_LEVELS = ("token", "sequence")
 # k2 / k3 an upper bound.
 ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
                       "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
-# loss_type: the loss of verl's bypass mode; only ppo_clip (the decoupled mode's loss) is implemented
-ROLLOUT_CORR_LOSS_TYPES = ("ppo_clip",)
 
 
 def parse_rollout_rs(rollout_rs: str, threshold) -> tuple[tuple[str, float | None, float], ...]:

@@ -159,7 +159,7 @@ def _format_validation_error(exc: OmegaConfBaseException) -> str:
     key = getattr(exc, "full_key", None) or "?"
     msg = str(exc).splitlines()[0]
     spec = next((s for s in iter_keys() if s.key == key), None)
-    expected = f" (expected {spec.type})" if spec else ""
+    expected = f"; the value is not accepted (expected {spec.type})" if spec else ""
     return f"{key}: {msg}{expected}"
 
 
