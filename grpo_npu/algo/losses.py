@@ -131,19 +131,10 @@ def _is_weighted(per_token: torch.Tensor, weights: torch.Tensor | None) -> torch
 
 
 @register_policy_loss("vanilla")
-def ppo_clip_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_c: float = 3.0,
-    agg_mode: str = "token-mean",
-    rollout_is_weights: torch.Tensor | None = None,
-    **agg_kwargs,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                  clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0, agg_mode: str = "token-mean",
+                  rollout_is_weights: torch.Tensor | None = None,
+                  **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with asymmetric clip (DAPO clip-higher) and dual-clip for A < 0.
 
     ``rollout_is_weights`` (B, T), from :mod:`grpo_npu.algo.rollout_corr`, multiply the per-token losses
@@ -174,19 +165,10 @@ def ppo_clip_loss(
 
 
 @register_policy_loss("gspo")
-def gspo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_c: float = 3.0,
-    agg_mode: str = "seq-mean-token-mean",
-    rollout_is_weights: torch.Tensor | None = None,
-    **agg_kwargs,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+              clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0, agg_mode: str = "seq-mean-token-mean",
+              rollout_is_weights: torch.Tensor | None = None,
+              **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: the sequence ratio s_i = exp(token-mean log ratio), per token sg(s_i) * pi / sg(pi), clipped.
 
     As verl's compute_policy_loss_gspo: the token log ratios enter the sequence mean unclamped, the

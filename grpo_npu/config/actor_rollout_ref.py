@@ -147,6 +147,8 @@ class ActorConfig:
     """Dual-clip bound for negative advantages (must be > 1)."""
     loss_agg_mode: str = choice("token-mean", AGG_MODES)
     """How per-token losses are aggregated over the mini-batch."""
+    mask_truncated_completions: bool = False
+    """Leave responses cut at the length limit without eos (stop_reason 'length') out of the policy, KL and entropy losses (TRL's name)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (loss -= coeff x entropy)."""
     use_kl_loss: bool = False

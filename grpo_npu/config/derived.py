@@ -115,8 +115,7 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
     lp_dyn = rollout.log_prob_use_dynamic_bsz if rollout.log_prob_use_dynamic_bsz is not None else actor.use_dynamic_bsz
     ref_dyn = arr.ref.log_prob_use_dynamic_bsz if arr.ref.log_prob_use_dynamic_bsz is not None else actor.use_dynamic_bsz
     return Derived(
-        world_size=ws,
-        n=n,
+        world_size=ws, n=n,
         train_batch_responses=train_responses,
         gen_batch_size=gen,
         mini_batch_responses_per_rank=mini_per_rank,
@@ -127,8 +126,7 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
         critic_micro_batch_per_rank=critic_micro,
         prompt_length=rollout.prompt_length or d.max_prompt_length,
         response_length=rollout.response_length or d.max_response_length,
-        clip_low=clip_low,
-        clip_high=clip_high,
+        clip_low=clip_low, clip_high=clip_high,
         use_critic=bool(use_critic),
         use_reference=actor.use_kl_loss or alg.use_kl_in_reward,
         log_prob_use_dynamic_bsz=lp_dyn,

@@ -249,7 +249,11 @@ class TrainerConfig:
     log_val_generations: int = 0
     """Validation generations printed/logged per validation."""
     rollout_data_dir: Optional[str] = None
-    """Dump every step's prompts/responses/scores as jsonl here."""
+    """Dump every step's rollouts here: {step}.jsonl (decoded text, scores) and {step}.safetensors (ids, masks, scores, log-probs, uids)."""
+    replay_rollouts_from: Optional[str] = None
+    """Take each step's rollouts and scores from this rollout_data_dir dump instead of generating (docs/parity.md)."""
+    deterministic: bool = False
+    """Determinism preset: torch deterministic algorithms, CUBLAS_WORKSPACE_CONFIG, HCCL_DETERMINISTIC (grpo_npu/determinism.py)."""
     validation_data_dir: Optional[str] = None
     """Dump validation generations as jsonl here."""
     nnodes: int = 1
