@@ -19,17 +19,19 @@ Formulas: docs/algorithms.md ("Rollout correction").
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 from grpo_npu.algo.masked import acc_dtype, masked_mean, masked_sum
 from grpo_npu.algo.names import ROLLOUT_IS_LEVELS, parse_rollout_rs
 from grpo_npu.batch import RolloutBatch
+from grpo_npu.config import RolloutCorrectionConfig
 
 # log r is clamped to +-20 before exp() (exp(20) ~ 4.9e8), as verl's SAFETY_BOUND.
 SAFETY_BOUND = 20.0
 
-RsOptions = tuple[tuple[str, "float | None", float], ...]  # (option, lower, upper) from names.parse_rollout_rs
+RsOptions = tuple[tuple[str, Optional[float], float], ...]  # (option, lower, upper) from names.parse_rollout_rs
 
 
 def _masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -298,7 +300,7 @@ def compute_rollout_correction(
     return weights, loss_mask, {f"rollout_corr/{k}": float(v) for k, v in metrics.items()}
 
 
-def correct_batch(batch: RolloutBatch, cfg, metrics: dict[str, float]) -> RolloutBatch:
+def correct_batch(batch: RolloutBatch, cfg: RolloutCorrectionConfig, metrics: dict[str, float]) -> RolloutBatch:
     """Apply ``algorithm.rollout_correction`` ``cfg`` to a batch with rollout and old log-probs (driver, once a step).
 
     Sets ``rollout_is_weights`` (when ``rollout_is`` is set) and ``loss_mask`` (when ``rollout_rs`` is set) and
