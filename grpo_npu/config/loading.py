@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,9 @@ from grpo_npu.config.support import alias, check_schema_values, check_verl_value
 from grpo_npu.config.validation import validate
 from grpo_npu.config.verl_keys import VERL_VERSION, free_dict_parent, in_base_config, is_verl_key, is_verl_section
 from grpo_npu.errors import ConfigError
+
+# A number with digit-separating underscores, which YAML 1.1 (and so OmegaConf) reads as that number.
+_YAML_NUMBER = re.compile(r"[-+]?[0-9][0-9_]*(\.[0-9_]*)?([eE][-+]?[0-9]+)?")
 
 
 @dataclass
@@ -61,6 +65,14 @@ def _classify(key: str, value: str, prefix: str) -> tuple[str, str]:
     raise ConfigError(f"unknown config key {key!r}{suggest(key)}")
 
 
+def _quoted_if_text(key: str, value: str) -> str:
+    """``value`` quoted when ``key`` is a text key and YAML would read the value as a number (0.5_2 -> 0.52)."""
+    kind, spec = schema_node(key.split("."))
+    if kind == "leaf" and spec.type in ("str", "Optional[str]") and "_" in value and _YAML_NUMBER.fullmatch(value):
+        return f"'{value}'"  # rollout_rs_threshold's "0.5_2" stays text
+    return value
+
+
 def read_overrides(items: list[str]) -> Overrides:
     """Sort ``[+|++]key=value`` and ``~key`` items (Hydra's forms, as verl reads them) against the schema."""
     values: dict[str, str] = {}
@@ -81,7 +93,10 @@ def read_overrides(items: list[str]) -> Overrides:
         key, value = item.split("=", 1)
         prefix = "++" if key.startswith("++") else "+" if key.startswith("+") else ""
         where, key = _classify(key[len(prefix):], value, prefix)
-        (values if where == "schema" else verl_only)[key] = value
+        if where == "schema":
+            values[key] = _quoted_if_text(key, value)
+        else:
+            verl_only[key] = value
     try:
         tree = OmegaConf.from_dotlist([f"{k}={v}" for k, v in values.items()])
     except OmegaConfBaseException as exc:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from grpo_npu.algo.names import ADV_ESTIMATORS, KL_CTRL_TYPES, KL_TYPES
+from grpo_npu.algo.names import ADV_ESTIMATORS, KL_CTRL_TYPES, KL_TYPES, ROLLOUT_CORR_LOSS_TYPES
 from grpo_npu.config.actor_rollout_ref import ActorRolloutRefConfig, FSDPConfig, OptimConfig
 from grpo_npu.config.fields import choice, free_dict, many
 from grpo_npu.data.names import TRUNCATION_MODES
@@ -193,6 +193,24 @@ class FilterGroupsConfig:
 
 
 @dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    rollout_is: Optional[str] = None
+    """Truncated IS weights pi_old / pi_rollout on the policy loss: token | sequence | null (none); needs rollout.calculate_log_probs."""
+    rollout_is_threshold: float = 2.0
+    """Upper bound the IS weights are truncated to."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the truncated IS weights by their batch mean (over tokens, or sequences for rollout_is=sequence)."""
+    rollout_rs: Optional[str] = None
+    """Rejection sampling: comma-separated token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3 (null: none)."""
+    rollout_rs_threshold: Optional[str] = None
+    """Rejection bounds, one per rollout_rs option or one for all: k1 "lower_upper" ratio bounds, k2/k3 an upper bound."""
+    bypass_mode: bool = False
+    """verl's bypass mode (rollout log-probs as the old policy): not implemented; must be False."""
+    loss_type: str = choice("ppo_clip", ROLLOUT_CORR_LOSS_TYPES)
+    """verl's bypass-mode loss: only ppo_clip (the decoupled mode's loss) is implemented."""
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     gamma: float = 1.0
     """Discount factor (GAE, REINFORCE++)."""
@@ -210,6 +228,8 @@ class AlgorithmConfig:
     """KL-in-reward coefficient controller."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO dynamic sampling."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Rollout-vs-training policy mismatch: truncated IS weights, rejection sampling, rollout_corr/* metrics."""
 
 
 @dataclass(frozen=True)
@@ -231,7 +251,11 @@ class TrainerConfig:
     log_val_generations: int = 0
     """Validation generations printed/logged per validation."""
     rollout_data_dir: Optional[str] = None
-    """Dump every step's prompts/responses/scores as jsonl here."""
+    """Dump every step's rollouts here: {step}.jsonl (decoded text, scores) and {step}.safetensors (ids, masks, scores, log-probs, uids)."""
+    replay_rollouts_from: Optional[str] = None
+    """Take each step's rollouts and scores from this rollout_data_dir dump instead of generating (docs/parity.md)."""
+    deterministic: bool = False
+    """Determinism preset: torch deterministic algorithms, CUBLAS_WORKSPACE_CONFIG, HCCL_DETERMINISTIC (grpo_npu/determinism.py)."""
     validation_data_dir: Optional[str] = None
     """Dump validation generations as jsonl here."""
     nnodes: int = 1

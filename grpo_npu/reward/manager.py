@@ -129,44 +129,34 @@ class NaiveRewardManager:
         self.close()
 
 
+@dataclass(frozen=True)
+class OverlongShaping:
+    """DAPO's overlong penalty: ``reward_model.overlong_buffer.{len,penalty_factor}`` and the response budget."""
+
+    max_response_length: int
+    buffer_len: int
+    penalty_factor: float = 1.0
+    log: bool = False  # reward_model.overlong_buffer.log: the batch means as metrics
+
+
 class DAPORewardManager(NaiveRewardManager):
-    """reward = score + overlong penalty (when the buffer is enabled)."""
+    """reward = score + overlong penalty (when ``overlong`` is given)."""
 
     name = "dapo"
 
-    def __init__(
-        self,
-        tokenizer,
-        compute_score: Callable | None = None,
-        *,
-        num_workers: int = 0,
-        sandbox: SandboxSettings | None = None,
-        max_response_length: int | None = None,
-        overlong_buffer_enable: bool = False,
-        overlong_buffer_len: int = 0,
-        overlong_penalty_factor: float = 1.0,
-        overlong_buffer_log: bool = False,
-    ) -> None:
-        super().__init__(tokenizer, compute_score, num_workers=num_workers, sandbox=sandbox)
-        self.overlong_log = overlong_buffer_log
-        if overlong_buffer_enable and max_response_length is None:
-            raise ValueError("reward_model.overlong_buffer.enable=True needs data.max_response_length")
-        self.overlong_enable = overlong_buffer_enable
-        self.max_response_length = max_response_length
-        self.overlong_buffer_len = overlong_buffer_len
-        self.overlong_penalty_factor = overlong_penalty_factor
-        if overlong_buffer_enable:  # validate the buffer settings now rather than at the first batch
+    def __init__(self, tokenizer, compute_score: Callable | None = None, *,
+                 overlong: OverlongShaping | None = None, **options) -> None:
+        super().__init__(tokenizer, compute_score, **options)
+        self.overlong = overlong
+        if overlong is not None:  # validate the buffer settings now rather than at the first batch
             self.shape_rewards(torch.zeros(1), torch.zeros(1), [{}])
 
     def shape_rewards(self, scores: torch.Tensor, lengths: torch.Tensor, extra: list[dict]) -> torch.Tensor:
-        if not self.overlong_enable:
+        if self.overlong is None:
             return scores
-        penalty = overlong_penalty(
-            lengths,
-            max_response_length=self.max_response_length,
-            buffer_len=self.overlong_buffer_len,
-            penalty_factor=self.overlong_penalty_factor,
-        )  # (B,) <= 0
+        o = self.overlong
+        penalty = overlong_penalty(lengths, max_response_length=o.max_response_length, buffer_len=o.buffer_len,
+                                   penalty_factor=o.penalty_factor)  # (B,) <= 0
         for info, p in zip(extra, penalty.tolist()):
             info["overlong_reward"] = p
             info["overlong"] = p < 0
@@ -174,7 +164,7 @@ class DAPORewardManager(NaiveRewardManager):
 
     def batch_metrics(self, extra: list[dict]) -> dict[str, float]:
         """reward_model.overlong_buffer.log: the batch's mean overlong reward and overlong fraction."""
-        if not (self.overlong_enable and self.overlong_log) or not extra:
+        if self.overlong is None or not self.overlong.log or not extra:
             return {}
         return {"reward/overlong_reward/mean": sum(e["overlong_reward"] for e in extra) / len(extra),
                 "reward/overlong/mean": sum(bool(e["overlong"]) for e in extra) / len(extra)}
@@ -183,37 +173,17 @@ class DAPORewardManager(NaiveRewardManager):
 REWARD_MANAGERS = {cls.name: cls for cls in (NaiveRewardManager, DAPORewardManager)}
 
 
-def get_reward_manager(
-    name: str,
-    *,
-    tokenizer,
-    compute_score: Callable | None = None,
-    num_workers: int = 0,
-    sandbox: SandboxSettings | None = None,
-    max_response_length: int | None = None,
-    overlong_buffer_enable: bool = False,
-    overlong_buffer_len: int = 0,
-    overlong_penalty_factor: float = 1.0,
-    overlong_buffer_log: bool = False,
-) -> NaiveRewardManager:
+def get_reward_manager(name: str, *, tokenizer, compute_score: Callable | None = None,
+                       overlong: OverlongShaping | None = None, **options) -> NaiveRewardManager:
     """The reward manager ``name`` (reward_model.reward_manager): naive | dapo.
 
-    ``sandbox``: timeout, fallback score, failure limit and worker memory limit (None: the defaults).
+    ``options``: ``num_workers`` and ``sandbox`` (timeout, fallback score, failure limit and worker memory
+    limit; None: the defaults), as :class:`NaiveRewardManager` takes them.
     """
     if name not in REWARD_MANAGERS:
         raise ValueError(f"reward_model.reward_manager={name!r}; known: {sorted(REWARD_MANAGERS)}")
     if name == "naive":
-        if overlong_buffer_enable:
+        if overlong is not None:
             raise ValueError("reward_model.overlong_buffer.enable=True needs reward_model.reward_manager=dapo")
-        return NaiveRewardManager(tokenizer, compute_score, num_workers=num_workers, sandbox=sandbox)
-    return DAPORewardManager(
-        tokenizer,
-        compute_score,
-        num_workers=num_workers,
-        sandbox=sandbox,
-        max_response_length=max_response_length,
-        overlong_buffer_enable=overlong_buffer_enable,
-        overlong_buffer_len=overlong_buffer_len,
-        overlong_penalty_factor=overlong_penalty_factor,
-        overlong_buffer_log=overlong_buffer_log,
-    )
+        return NaiveRewardManager(tokenizer, compute_score, **options)
+    return DAPORewardManager(tokenizer, compute_score, overlong=overlong, **options)
