@@ -13,7 +13,7 @@ BASE = ["trainer.n_gpus_per_node=1", "data.train_batch_size=8", "actor_rollout_r
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
 LOGPROBS = "actor_rollout_ref.rollout.calculate_log_probs=True"
 KEY = "algorithm.rollout_correction"
-VERL_KEYS = Path(__file__).parent / "verl" / "verl_0.9.1_ppo_trainer_keys.tsv"
+VERL_KEYS = Path(__file__).parent.parent / "grpo_npu" / "config" / "verl_0.9.1_keys.tsv"
 
 
 def test_keys_and_defaults_are_verls():
@@ -58,8 +58,9 @@ def test_thresholds_parse_from_the_command_line():
     ([f"{KEY}.rollout_rs=token_k2", f"{KEY}.rollout_rs_threshold=0.5_2"], r"token_k2 needs one upper bound"),
     ([f"{KEY}.rollout_rs_threshold=2.0"], r"rollout_rs_threshold='2.0' needs algorithm\.rollout_correction\.rollout_rs"),
     ([f"{KEY}.rollout_is_batch_normalize=True"], r"rollout_is_batch_normalize=True needs"),
-    ([f"{KEY}.bypass_mode=True"], r"bypass_mode=True .* is not implemented"),
-    ([f"{KEY}.loss_type=reinforce"], r"loss_type='reinforce' is not accepted; choose one of: ppo_clip"),
+    ([f"{KEY}.bypass_mode=True"], r"not supported by grpo_npu: algorithm\.rollout_correction\.bypass_mode=True "
+                                  r"\(rollout correction's bypass mode"),
+    ([f"{KEY}.loss_type=reinforce"], r"loss_type=reinforce \(a bypass-mode loss other than ppo_clip\); supported values: ppo_clip"),
 ])
 def test_refused_values_name_the_key(extra, message):
     with pytest.raises(ConfigError, match=message):

@@ -116,8 +116,6 @@ def _check_rollout_correction(cfg: Config) -> None:
     require(rc.rollout_is in (None,) + ROLLOUT_IS_LEVELS,
             f"{key}.rollout_is={rc.rollout_is!r} is not accepted; choose one of: {', '.join(ROLLOUT_IS_LEVELS)}, null")
     require(rc.rollout_is_threshold > 0, f"{key}.rollout_is_threshold={rc.rollout_is_threshold} must be > 0")
-    require(not rc.bypass_mode, f"{key}.bypass_mode=True (rollout log-probs as the old policy) is not implemented; "
-            "use False (decoupled: the actor recomputes old log-probs)")
     require(rc.rollout_is is not None or not rc.rollout_is_batch_normalize,
             f"{key}.rollout_is_batch_normalize=True needs {key}.rollout_is=token or sequence")
     require(rc.rollout_rs is not None or rc.rollout_rs_threshold is None,
