@@ -183,7 +183,7 @@ def main() -> int:
                     example = next(m for k, g, m in outcomes if k == kind and g == group)
                     say(f"     {n:4d}  {group}   e.g. {example[:160]}")
     features = collections.Counter(
-        (m.group(1) if (m := re.match(r"not supported by grpo_npu: \S+ \((.*?)\)(;|$)", msg)) else "(a value the key's "
+        (m.group(1) if (m := re.match(r"not supported by grpo_npu: \S+ \((.*)\)(;|$)", msg)) else "(a value the key's "
          "accepted list lacks)" if "is not accepted" in msg else "(the key alone)")
         for kind, _, msg in outcomes if kind == "refused")
     say("  -- refused, by the feature the message names:")

@@ -58,8 +58,9 @@ def test_thresholds_parse_from_the_command_line():
     ([f"{KEY}.rollout_rs=token_k2", f"{KEY}.rollout_rs_threshold=0.5_2"], r"token_k2 needs one upper bound"),
     ([f"{KEY}.rollout_rs_threshold=2.0"], r"rollout_rs_threshold='2.0' needs algorithm\.rollout_correction\.rollout_rs"),
     ([f"{KEY}.rollout_is_batch_normalize=True"], r"rollout_is_batch_normalize=True needs"),
-    ([f"{KEY}.bypass_mode=True"], r"not supported by grpo_npu: algorithm.rollout_correction.bypass_mode=True"),
-    ([f"{KEY}.loss_type=reinforce"], r"not supported by grpo_npu: algorithm.rollout_correction.loss_type=reinforce"),
+    ([f"{KEY}.bypass_mode=True"], r"not supported by grpo_npu: algorithm\.rollout_correction\.bypass_mode=True "
+                                  r"\(rollout correction's bypass mode"),
+    ([f"{KEY}.loss_type=reinforce"], r"loss_type=reinforce \(a bypass-mode loss other than ppo_clip\); supported values: ppo_clip"),
 ])
 def test_refused_values_name_the_key(extra, message):
     with pytest.raises(ConfigError, match=message):

@@ -11,7 +11,7 @@ One table, :data:`RULES`, read top to bottom, first match wins (``fnmatch`` patt
   read nowhere to such a row).
 - A verl key no rule matches is accepted at verl's default and refused otherwise (``GENERIC``).
 
-A feature that lands flips its rows (as ``algorithm.rollout_correction.*`` did) from ``REFUSE`` to schema
+A feature that lands flips its rows (e.g. ``algorithm.rollout_correction.*``) from ``REFUSE`` to schema
 keys; nothing else changes. Torch-free.
 """
 
@@ -39,7 +39,7 @@ TORCHTITAN = "the TorchTitan engine"
 FSDP_TURBO = "the fsdp_turbo engine"
 SEQUENCE_PARALLEL = "sequence parallelism (Ulysses)"
 VISION = "vision-language data (images, videos, audio)"
-ROLLOUT_CORRECTION = "rollout-correction options beyond verl 0.9.1's (rollout_is / rollout_rs, thresholds, batch normalisation)"
+ROLLOUT_CORRECTION = "rollout correction (algorithm.rollout_correction)"
 LORA = "LoRA"
 QAT = "quantization-aware training"
 MTP = "multi-token prediction"
@@ -126,10 +126,9 @@ RULES: tuple[Rule, ...] = tuple([
     *_refuse(SEQUENCE_PARALLEL, "*ulysses*", accepted=(1,)),
     *_refuse(VISION, "data.image_key", "data.video_key", "data.audio_key", "data.image_patch_size",
              "data.return_multi_modal_inputs", "data.mm_processor_kwargs*", "*freeze_vision*", "*limit_images"),
-    *_refuse("rollout correction's bypass mode (the rollout's log-probs as the old policy); grpo_npu recomputes "
-             "them (decoupled mode)", "algorithm.rollout_correction.bypass_mode", accepted=(False,)),
-    *_refuse("rollout correction's bypass-mode losses (its decoupled mode's loss is the policy loss: ppo_clip)",
-             "algorithm.rollout_correction.loss_type", accepted=("ppo_clip",)),
+    *_refuse("rollout correction's bypass mode (rollout log-probs as the old policy; decoupled: the actor "
+             "recomputes them)", "algorithm.rollout_correction.bypass_mode", accepted=(False,)),
+    *_refuse("a bypass-mode loss other than ppo_clip", "algorithm.rollout_correction.loss_type", accepted=("ppo_clip",)),
     *_refuse(ROLLOUT_CORRECTION, "algorithm.rollout_correction.*"),
     *_refuse(LORA, "actor_rollout_ref.model.lora_rank", accepted=(0,)),
     *_refuse(LORA, "actor_rollout_ref.model.lora.*", "actor_rollout_ref.model.lora_*",
