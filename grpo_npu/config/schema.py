@@ -38,6 +38,8 @@ class DataConfig:
     """Column used to pick the reward function."""
     max_prompt_length: int = 512
     """Prompt tokens after the chat template; prompts are left-padded to this length."""
+    truncation: str = choice("error", TRUNCATION_MODES)
+    """What to do with a prompt longer than max_prompt_length: error|left|right|middle."""
     max_response_length: int = 512
     """Maximum generated tokens per response."""
     train_batch_size: int = 1024
@@ -60,8 +62,6 @@ class DataConfig:
     """Drop prompts longer than max_prompt_length before training (and report how many)."""
     filter_overlong_prompts_workers: int = 1
     """Threads that tokenize the prompts when the dataset is built (verl: processes of the overlong filter)."""
-    truncation: str = choice("error", TRUNCATION_MODES)
-    """What to do with a prompt longer than max_prompt_length: error|left|right|middle."""
     trust_remote_code: bool = False
     """Allow tokenizers with custom code."""
     dataloader_num_workers: int = 0
