@@ -58,6 +58,9 @@ def _report(exc: Exception) -> int:
         if exc.user_error:
             print(f"error: {exc.summary.split(': ', 1)[-1]}", file=sys.stderr)
             return EXIT_BAD_INPUT
+        if exc.stopped:  # the rank stopped the run by policy (e.g. the weight-sync canary)
+            print(f"stopped: rank {exc.rank}: {exc.summary.split(': ', 1)[-1]}", file=sys.stderr)
+            return EXIT_STOPPED
         print(f"internal error: rank {exc.rank} in {exc.method}(): {exc.summary}{more}", file=sys.stderr)
         return EXIT_INTERNAL
     if isinstance(exc, ConfigError):

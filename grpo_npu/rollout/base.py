@@ -74,6 +74,13 @@ class Rollout(abc.ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new policy weights (HF parameter names), streamed one tensor/bucket at a time."""
 
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """Teacher-forced log-probs of tokens 1.. of each sequence under the engine's current weights: one
+        (L-1,) float32 tensor per sequence, from the raw logits (temperature 1). The weight-sync canary's
+        engine side (:mod:`grpo_npu.rollout.sync_check`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score prompts; set "
+                                  "actor_rollout_ref.rollout.sync_check.enable=False")
+
     def sleep(self) -> None:
         """Release device memory between rollouts (a documented no-op where unsupported)."""
 

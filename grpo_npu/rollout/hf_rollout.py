@@ -120,6 +120,26 @@ class HFRollout(Rollout):
                 logps.append(logp[i, :length].tolist())
         return pack_responses(tokens, reasons, self.pad_token_id, logps if logp is not None else None)
 
+    @torch.no_grad()
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """log_softmax of the module's plain forward (``module.logits`` where the actor wrapper has it)."""
+        device = next(self.module.parameters()).device
+        ids = torch.full((len(sequences), max(map(len, sequences))), self.pad_token_id, dtype=torch.long)  # (B, L)
+        mask = torch.zeros_like(ids)  # (B, L), right-padded
+        for i, seq in enumerate(sequences):
+            ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            mask[i, : len(seq)] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            forward = getattr(self.module, "logits", None)
+            logits = forward(ids, mask) if forward is not None else self.module(input_ids=ids, attention_mask=mask).logits
+        finally:
+            self.module.train(was_training)
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, L-1)
+        return [logp[i, : len(seq) - 1].cpu() for i, seq in enumerate(sequences)]
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """No-op: this rollout generates with the actor's module itself, so it always has the new weights.
 

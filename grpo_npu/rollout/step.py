@@ -10,6 +10,7 @@ The actor and the rollout engine share one device. Per step:
     free()                         drop the actor's gathered copy (caller's hook)
     empty_cache()                  hand those blocks back before the KV cache is allocated
     wake_up(["kv_cache"])
+    [sync check]                   the weight-sync canary on the synced engine (grpo_npu.rollout.sync_check)
     generate(...)
     sleep()                        level 1 or 2, as the rollout was built
     empty_cache()                  without it, sleep's freed blocks stay reserved: the per-cycle leak
@@ -85,13 +86,17 @@ def run_rollout_step(
     *,
     free_weights: Optional[Callable[[], None]] = None,
     ledger: Optional[MemoryLedger] = None,
+    after_sync: Optional[Callable[[], dict[str, float]]] = None,
 ) -> GenerationOutput:
-    """Wake + sync weights, generate B*n responses, sleep (also when generation raises)."""
+    """Wake + sync weights, [check the sync: ``after_sync``, the weight-sync canary, returns metrics], generate
+    B*n responses, sleep (also when the check or generation raises)."""
     sync_seconds = wake_for_rollout(rollout, device, weights, free_weights=free_weights, ledger=ledger)
     try:
+        checked = after_sync() if after_sync is not None else {}
         out = rollout.generate(prompt_ids, prompt_mask, sampling)
     finally:
         sleep_after_rollout(rollout, device, ledger=ledger)
+    out.metrics.update(checked)
     out.metrics["rollout/weight_sync_s"] = sync_seconds
     if ledger is not None:
         out.metrics.update(ledger.end_cycle())

@@ -250,6 +250,18 @@ class VLLMRollout(Rollout):
                     logprobs.append([step[t].logprob for step, t in zip(completion.logprobs, row)])
         return pack_responses(tokens, reasons, self.pad_token_id, logprobs if sampling.return_logprobs else None)
 
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """vLLM's prompt log-probs (raw logits: no sampling processors touch prompt tokens), one token generated."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.asleep:
+            raise RuntimeError(f"VLLMRollout.prompt_logprobs: the engine sleeps ({sorted(self.asleep_tags)}); wake_up() first")
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+        return [torch.tensor([pos[t].logprob for pos, t in zip(out.prompt_logprobs[1:], seq[1:])], dtype=torch.float32)
+                for out, seq in zip(outputs, sequences)]
+
     # -- weights --------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream HF-named tensors into the engine (in-process: the worker reads them by reference)."""

@@ -307,7 +307,7 @@ class RayGroup(WorkerGroup):
                     cause = getattr(exc, "cause", None)
                     if isinstance(cause, WorkerError):
                         raise WorkerError(cause.rank, cause.method, cause.details, cause.summary,
-                                          cause.user_error) from None
+                                          cause.user_error, cause.stopped) from None
                     raise WorkerError(rank_of[ref], method, str(exc)) from None
                 except ray.exceptions.RayActorError as exc:
                     raise WorkerError(rank_of[ref], method, f"the worker process died: {exc}") from None

@@ -26,6 +26,7 @@ from grpo_npu.config import Config, derive
 from grpo_npu.determinism import make_deterministic
 from grpo_npu.device import get_device
 from grpo_npu.rollout import MemoryLedger, build_rollout, run_rollout_step
+from grpo_npu.rollout.sync_check import SyncCheck, default_threshold
 from grpo_npu.workers import fsdp
 from grpo_npu.workers.actor import Actor, Policy
 from grpo_npu.workers.critic import Critic, ValueHead
@@ -69,6 +70,7 @@ class HybridWorker:
         self.critic: Critic | None = None
         self.rollout: Any = None
         self.ledger: Any = None
+        self.sync_check: SyncCheck | None = None
 
     # -- building ---------------------------------------------------------------------------------
     def init_model(self, total_steps: int = -1) -> dict[str, bool]:
@@ -133,6 +135,12 @@ class HybridWorker:
             module=self.actor.module, trust_remote_code=arr.model.trust_remote_code,
         )
         self.ledger = MemoryLedger(self.dev)
+        sc = arr.rollout.sync_check
+        if sc.enable:
+            dtypes = (self.engine_dtype(), compute_dtype_of(arr.model, arr.actor.fsdp_config, self.dev))
+            self.sync_check = SyncCheck(first_syncs=sc.first_syncs, every_n_steps=sc.every_n_steps,
+                                        threshold=sc.threshold or default_threshold(dtypes),
+                                        probe_prompts=sc.probe_prompts, device=self.dev.torch_device())
 
     def _need(self, role: str) -> Any:
         obj = getattr(self, role)
@@ -147,19 +155,32 @@ class HybridWorker:
         return obj
 
     # -- rollout ------------------------------------------------------------------------------------
+    def engine_dtype(self) -> torch.dtype:
+        """The dtype the engine runs (and receives weights) in: float32 on CPU, else rollout.dtype."""
+        rollout = self.cfg.actor_rollout_ref.rollout
+        return torch.float32 if not self.dev.is_accelerator else fsdp.resolve_dtype(rollout.dtype, self.dev)
+
     def rollout_weights(self):
         """The actor's weights as (HF name, full tensor) in the engine's dtype, gathered one at a time."""
-        arr = self.cfg.actor_rollout_ref
-        dtype = torch.float32 if not self.dev.is_accelerator else fsdp.resolve_dtype(arr.rollout.dtype, self.dev)
-        return fsdp.iter_full_state_dict(self._need("actor").module.hf, dtype=dtype)
+        return fsdp.iter_full_state_dict(self._need("actor").module.hf, dtype=self.engine_dtype())
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling) -> Any:
-        """Wake the engine, stream the actor's weights in, generate this rank's prompts x n, sleep."""
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling, step: int = 0) -> Any:
+        """Wake the engine, stream the actor's weights in, [check the sync], generate this rank's prompts x n, sleep.
+
+        ``step``: the training step these weights serve (the weight-sync canary's schedule and message)."""
         actor, rollout = self._need("actor"), self._need("rollout")
+        check = None
+        if self.sync_check is not None and self.sync_check.due(step):
+            self.sync_check.set_probe(prompt_ids, prompt_mask)
+            hf = actor.module.hf
+            check = lambda: self.sync_check.run(  # noqa: E731
+                step, engine=rollout, actor_logprobs=actor.teacher_forced, synced_weights=self.rollout_weights,
+                actor_weights=lambda: fsdp.iter_full_state_dict(hf, dtype=self.engine_dtype()),
+                names=list(hf.state_dict().keys()))
         with params_on(actor.module, self.dev, actor.param_offload):
             out = run_rollout_step(
                 rollout, self.dev, self.rollout_weights(), prompt_ids, prompt_mask, sampling,
-                free_weights=lambda: fsdp.reshard_all(actor.module), ledger=self.ledger,
+                free_weights=lambda: fsdp.reshard_all(actor.module), ledger=self.ledger, after_sync=check,
             )
             fsdp.reshard_all(actor.module)
         return out

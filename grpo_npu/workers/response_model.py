@@ -65,6 +65,12 @@ class CausalLMLogProbs(ResponseModel):
         valid = inputs.response_valid
         return scatter_valid(logp, valid), (scatter_valid(entropy, valid) if with_entropy else None)
 
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(b, L, V) logits of the wrapped model's plain forward, gathered as for ``generate``: the transformers
+        rollout's own scoring path, which the weight-sync canary compares with :meth:`forward`."""
+        with fsdp.gathered(self):
+            return self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
     def generate(self, *args, **kwargs):
         """transformers ``generate`` of the wrapped model (an FSDP forward method: the root is gathered).
 
