@@ -128,8 +128,9 @@ def build_sharded(
         cpu_offload=cpu_offload, reshard_after_forward=fsdp_cfg.reshard_after_forward,
         forward_prefetch=fsdp_cfg.forward_prefetch,
     )
-    if hasattr(wrapper, "generate"):
-        compat.fsdp2().register_fsdp_forward_method(wrapper, "generate")
+    for method in ("generate", "logits"):  # forward methods of the root: FSDP gathers (and lazily inits) for them
+        if hasattr(wrapper, method):
+            compat.fsdp2().register_fsdp_forward_method(wrapper, method)
     fsdp.load_full_state_dict(wrapper, {"hf." + k: v for k, v in full_state.items()}, dev.torch_device(),
                               cpu_offload=cpu_offload)
     del full_state
