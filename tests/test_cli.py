@@ -191,3 +191,20 @@ def test_internal_errors_are_one_line_with_exit_3_and_the_log_named(capsys, tmp_
     monkeypatch.setenv("GRPO_NPU_DEBUG", "1")
     assert cli.exit_code(crash) == 3
     assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_a_rank_that_stops_the_run_by_policy_exits_1_with_its_line(capsys):
+    import pickle
+
+    from grpo_npu.errors import SyncMismatch, WorkerError
+
+    def stop_on_rank_1():
+        try:
+            raise SyncMismatch("weight-sync canary at step 3: ...; turn the check off with x.enable=False")
+        except SyncMismatch as exc:
+            error = WorkerError.from_exception(1, "generate", exc)
+        raise pickle.loads(pickle.dumps(error))  # as it crosses the Ray boundary
+
+    assert cli.exit_code(stop_on_rank_1) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "stopped: rank 1: weight-sync canary at step 3: ...; turn the check off with x.enable=False"]
