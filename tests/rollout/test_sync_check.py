@@ -151,3 +151,17 @@ def test_a_sync_lost_once_is_reported_as_such():
     engine.weights[NAMES[0]] = 0.0  # the step's sync lost a tensor; a second sync delivers it
     with pytest.raises(SyncMismatch, match="a second sync of the same weights cleared it"):
         run()
+
+
+def test_hf_prompt_logprobs_match_an_unpadded_reference(tiny_hf, tiny_tokenizer):
+    from grpo_npu.rollout.hf_rollout import HFRollout
+
+    rollout = HFRollout(tiny_hf, pad_token_id=tiny_tokenizer.pad_token_id, eos_token_ids=[tiny_tokenizer.eos_token_id])
+    sequences = [tiny_tokenizer(text)["input_ids"] for text in ("What is 12 + 7?", "7 * 8 = 56, so the answer is")]
+    assert len(set(map(len, sequences))) == 2  # rows of different lengths: the shorter one is padded
+    got = rollout.prompt_logprobs(sequences)
+    for seq, logp in zip(sequences, got):
+        with torch.no_grad():
+            logits = tiny_hf(torch.tensor([seq])).logits[0].float()  # (L, V)
+        want = torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+        torch.testing.assert_close(logp, want, rtol=0, atol=1e-5)
