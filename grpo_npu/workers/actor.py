@@ -69,7 +69,8 @@ class Policy:
     @torch.no_grad()
     def teacher_forced(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         """Log-probs at temperature 1 of tokens 1.. of each sequence, one (L-1,) float32 tensor each, through the
-        training forward (the weight-sync canary's actor side; the engine scores raw logits). Collective."""
+        training forward (the weight-sync canary's actor side; the engine scores raw logits). Collective; runs
+        inside the caller's ``params_on`` (HybridWorker.generate: a nested one would offload mid-rollout)."""
         width = max(len(s) for s in sequences) - 1
         response = torch.zeros((len(sequences), width), dtype=torch.long)  # (B, T), right-padded
         mask = torch.zeros_like(response)  # (B, T)
@@ -79,9 +80,8 @@ class Policy:
         first = torch.tensor([[s[0]] for s in sequences], dtype=torch.long)  # (B, 1): each row's context starts here
         batch = RolloutBatch(first, torch.ones_like(first), response, mask).to(self.dev.torch_device())
         self.module.eval()
-        with params_on(self.module, self.dev, self.param_offload):
-            logp, _ = self.module(build_inputs(batch, self.remove_padding, self.share_prefix), 1.0, False)
-            fsdp.reshard_all(self.module)
+        logp, _ = self.module(build_inputs(batch, self.remove_padding, self.share_prefix), 1.0, False)
+        fsdp.reshard_all(self.module)
         logp = logp.float().cpu()  # (B, T)
         return [logp[i, : len(seq) - 1] for i, seq in enumerate(sequences)]
 
