@@ -211,14 +211,16 @@ class ValKwargsConfig:
 
 @dataclass(frozen=True)
 class SyncCheckConfig:
+    """actor_rollout_ref.rollout.sync_check: the weight-sync canary (docs/sync_check.md)."""
+
     enable: bool = True
     """Weight-sync canary: after a sync, compare engine and actor log-probs on a fixed probe; stop on a mismatch."""
+    threshold: Optional[float] = None
+    """Mean |log-prob difference| (nats) that stops the run (None: by dtype, rollout.names.SYNC_CHECK_THRESHOLDS)."""
     first_syncs: int = 2
     """Check each of the first this many weight syncs of the run."""
     every_n_steps: int = 50
     """Then check the sync of every step divisible by this (0: only the first syncs)."""
-    threshold: Optional[float] = None
-    """Mean |log-prob difference| (nats) that stops the run (None: by dtype, rollout.names.SYNC_CHECK_THRESHOLDS)."""
     probe_prompts: int = 2
     """Prompts in the probe (the first ones the worker generates for, teacher-forced through both)."""
 
