@@ -211,6 +211,7 @@ def summarise(work: Workload, side: str, measured: dict) -> dict:
         "tokens_per_step": tokens, "response_tokens_per_step": response, "prompt_tokens_per_step": tokens - response,
         "gen_s": sections["gen"], "score_s": sections["score"], "update_s": sections["update"],
         "other_s": sections["other"], "step_s_all": "/".join(f"{s:.3g}" for s in measured["step_s"]),
+        "cpu_s": min((c for c in measured["cpu_s"] if c is not None), default=float("nan")),
         "threads": measured["threads"], "process_s": measured["process_s"],
     }
     if "peak_memory_gb" in measured:
@@ -267,6 +268,9 @@ def check_workload(result: BenchResult, work: Workload, inputs: dict, rows: dict
             if side in rows:
                 ratio = rows[side]["steps_per_s"] / rows["trl"]["steps_per_s"]
                 result.add_target(target_name(work, side), ratio, target)
+                cpu_ratio = rows["trl"]["cpu_s"] / rows[side]["cpu_s"]
+                result.notes.append(f"{work.name}: {LABELS[side]} takes {cpu_ratio:.2f}x fewer CPU seconds per step "
+                                    f"than TRL (fastest steps; wall-time ratio {ratio:.2f}x)")
 
 
 def target_name(work: Workload, side: str) -> str:
@@ -289,7 +293,9 @@ def describe(works: list[Workload], trl_path: str | None, load_before, load_afte
         "grpo_npu: `python -m grpo_npu.main_ppo` with its defaults plus the workload's keys only (workload_keys); "
         "step seconds are its metrics.jsonl timing_s/step; gen_s = timing_s/gen, score_s = reward + old/ref "
         "log-probs + advantages, update_s = timing_s/update_actor, other_s = the rest of the step (weight sync, "
-        "bookkeeping); peak_memory_gb = perf/max_memory_allocated_gb (the process's peak RSS on CPU)",
+        "bookkeeping); cpu_s = the least CPU seconds of a timed step (grpo_npu: its process tree's, sampled "
+        "when each step's metrics line appears; TRL: process time inside the step), less sensitive than wall "
+        "time to other processes on a shared machine; peak_memory_gb = perf/max_memory_allocated_gb (the process's peak RSS on CPU)",
         "TRL: GRPOTrainer from on_step_begin to on_step_end (generation, reward, reference forward, backward and "
         "optimizer step all inside), given grpo_npu's defaults for lr, weight decay, clip ratio, grad clip and KL "
         "coefficient, loss_type=dapo (token-mean), and grpo_npu's process environment ("
