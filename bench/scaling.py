@@ -3,7 +3,7 @@
 Run: ``python -m bench.scaling [--quick] [--model tiny|0.5b] [--rollout hf|vllm] [--packed]``.
 Each point is one ``python -m grpo_npu.main_ppo`` run (defaults plus the point's keys: fixed-length
 responses, KL loss, gradient checkpointing, one micro-batch per step, so that the step's activations
-grow with the batch), one warm-up step then timed steps; step seconds are the fastest timed
+grow with the batch), one warm-up step then one timed step; step seconds are the timed
 ``timing_s/step``, peak memory the run's ``perf/max_memory_allocated_gb`` (peak RSS on CPU).
 
 Two sweeps: response length T at 8 sequences, and sequences at T = 64. ``--packed`` runs the length
@@ -48,7 +48,7 @@ def point_keys(model: str, train: str, length: int, seqs: int, rollout: str, pac
         "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         f"actor_rollout_ref.rollout.name={rollout}", f"actor_rollout_ref.rollout.n={n}",
         "actor_rollout_ref.rollout.ignore_eos=True", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-        "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.total_training_steps=3",
+        "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.total_training_steps=2",
         "trainer.val_before_train=False",
     ] + (["actor_rollout_ref.model.use_remove_padding=True"] if packed else [])
 
@@ -113,10 +113,10 @@ def run(quick: bool = False, model: str = "tiny", rollout: str = "hf", packed: b
 
     lengths, batches = QUICK_POINTS if quick else (POINTS_05B if model == "0.5b" else TINY_POINTS)
     path = str(build_tiny_model(spec=QWEN2_5_0_5B_SHAPE if model == "0.5b" else TINY))
-    sweeps = [("length", "response tokens T", [(t, SWEEP_BATCH, False) for t in lengths]),
-              ("batch", "sequences", [(SWEEP_LENGTH, s, False) for s in batches])]
+    sweeps = [("length", "response tokens T", [(t, SWEEP_BATCH, False) for t in lengths])]
     if packed:
         sweeps.append(("length, packed", "response tokens T", [(t, SWEEP_BATCH, True) for t in lengths]))
+    sweeps.append(("batch", "sequences", [(SWEEP_LENGTH, s, False) for s in batches]))
     result = BenchResult(name="scaling" if model == "tiny" else f"scaling_{model}")
     root = Path(tempfile.mkdtemp(prefix="bench-scaling-"))
     try:
