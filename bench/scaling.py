@@ -106,7 +106,7 @@ def plot(rows: list[dict], path: Path) -> str | None:
 
 
 def run(quick: bool = False, model: str = "tiny", rollout: str = "hf", packed: bool = False,
-        png: Path | None = None) -> BenchResult:
+        png: Path | None = None, threads: int = 2) -> BenchResult:
     """Step time and peak memory against response length and batch size (grpo_npu's CLI, CPU)."""
     from grpo_npu.data.synthetic import write_synthetic
     from grpo_npu.models.tiny import QWEN2_5_0_5B_SHAPE, TINY, build_tiny_model
@@ -125,7 +125,7 @@ def run(quick: bool = False, model: str = "tiny", rollout: str = "hf", packed: b
             for length, seqs, pack in points:
                 keys = point_keys(path, str(train["train"]), length, seqs, rollout, pack)
                 tag = f"{sweep.replace(', ', '_')}_{length}x{seqs}"
-                measured = measured_steps(run_cli(keys, root / tag, 2, TIMEOUT_S, f"scaling-{tag}"), seqs)
+                measured = measured_steps(run_cli(keys, root / tag, threads, TIMEOUT_S, f"scaling-{tag}"), seqs)
                 result.rows.append({"sweep": sweep, "x_name": x_name, "x": length if sweep != "batch" else seqs,
                                     "response_len": length, "sequences": seqs, "step_s": min(measured["step_s"]),
                                     "cpu_s": min(c for c in measured["cpu_s"] if c is not None),
@@ -148,7 +148,7 @@ def run(quick: bool = False, model: str = "tiny", rollout: str = "hf", packed: b
     missing = plot(result.rows, png)
     result.notes.append(missing or f"plot: {png.name} (dashed: ideal linear through the first point)")
     result.notes.append(f"model {model}, rollout {rollout}, {N} samples per prompt, one micro-batch per step, "
-                        f"fixed-length responses, 2 threads; length sweep at {SWEEP_BATCH} sequences, batch sweep "
+                        f"fixed-length responses, {threads} thread(s); length sweep at {SWEEP_BATCH} sequences, batch sweep "
                         f"at T={SWEEP_LENGTH}; points {lengths} / {batches} chosen to keep a CPU run short")
     if quick:
         result.notes.append("quick sizes: exponents are indicative only")
@@ -161,11 +161,13 @@ def main(argv: list[str] | None = None) -> BenchResult:
     parser.add_argument("--rollout", default="hf", choices=("hf", "vllm"))
     parser.add_argument("--packed", action="store_true", help="also the length sweep with use_remove_padding=True")
     parser.add_argument("--png", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run (default 2)")
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
 
     def configured(quick: bool = False) -> BenchResult:
         """Step time and peak memory against response length and batch size."""
-        return run(quick=quick, model=ours.model, rollout=ours.rollout, packed=ours.packed, png=ours.png)
+        return run(quick=quick, model=ours.model, rollout=ours.rollout, packed=ours.packed, png=ours.png,
+                   threads=ours.threads)
 
     return bench_main(configured, rest)
 
