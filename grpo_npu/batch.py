@@ -6,7 +6,9 @@ rewards, advantages). Which ones are filled is the config's decision (``grpo_npu
 a consumer that needs one refuses a batch without it. Two presences do steer the code: the actor's
 update reads a missing ``old_logp`` as "old log-probs from the update" (allowed only when the config
 derives ``old_logp_from_update``), and ``rollout_logp`` exists only when the engine returns log-probs,
-which is what turns on the ``rollout/logp_diff_*`` metrics.
+which is what turns on the ``rollout/logp_diff_*`` metrics and the rollout correction. ``loss_mask``
+(rollout rejection sampling) narrows the tokens the losses see without touching the model's inputs,
+which ``response_mask`` drives.
 Per-row metadata (uid, data_source, ground truth, extra info) travels in plain lists.
 """
 
@@ -20,7 +22,7 @@ import torch
 
 TENSOR_FIELDS = (
     "prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logp", "old_logp", "ref_logp",
-    "values", "token_level_scores", "token_level_rewards", "advantages", "returns",
+    "values", "token_level_scores", "token_level_rewards", "advantages", "returns", "rollout_is_weights", "loss_mask",
 )
 LIST_FIELDS = ("uid", "data_source", "ground_truth", "extra_info", "stop_reason", "reward_extra")
 
@@ -45,6 +47,8 @@ class RolloutBatch:
     token_level_rewards: Optional[torch.Tensor] = None  # (B, T) scores minus KL-in-reward, if on
     advantages: Optional[torch.Tensor] = None  # (B, T)
     returns: Optional[torch.Tensor] = None  # (B, T)
+    rollout_is_weights: Optional[torch.Tensor] = None  # (B, T) rollout-correction IS weights (algorithm.rollout_correction)
+    loss_mask: Optional[torch.Tensor] = None  # (B, T) response_mask minus rollout-rejected tokens (None: response_mask)
 
     def __post_init__(self) -> None:
         b = self.prompt_ids.shape[0]
@@ -76,6 +80,10 @@ class RolloutBatch:
     @property
     def response_lengths(self) -> torch.Tensor:  # (B,)
         return self.response_mask.sum(dim=1)
+
+    def loss_tokens(self) -> torch.Tensor:  # (B, T)
+        """The tokens the losses see: ``loss_mask`` when rollout rejection sampling set one, else response_mask."""
+        return self.loss_mask if self.loss_mask is not None else self.response_mask
 
     @property
     def prompt_lengths(self) -> torch.Tensor:  # (B,)

@@ -28,10 +28,13 @@ log = logging.getLogger(__name__)
 def make_group(cfg: Config, worker_cls: type, args: tuple) -> WorkerGroup:
     """LocalGroup for a single device without RAY_ADDRESS, else one Ray actor per device (n_gpus_per_node per node)."""
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    if world == 1 and not os.environ.get("RAY_ADDRESS"):
-        return LocalGroup(worker_cls, device_kind=cfg.trainer.device, args=args)
+    timeout = cfg.actor_rollout_ref.nccl_timeout
+    # one rank in-process without Ray, unless a Ray timeline is asked for (ray_init.timeline_json_file)
+    if world == 1 and not os.environ.get("RAY_ADDRESS") and not cfg.ray_init.timeline_json_file:
+        return LocalGroup(worker_cls, device_kind=cfg.trainer.device, args=args, pg_timeout_s=timeout)
     return RayGroup(worker_cls, world_size=world, nnodes=cfg.trainer.nnodes, device_kind=cfg.trainer.device, args=args,
-                    ray_num_cpus=cfg.ray_init.num_cpus, start_timeout_s=cfg.trainer.ray_wait_register_center_timeout)
+                    pg_timeout_s=timeout, ray_num_cpus=cfg.ray_init.num_cpus, ray_runtime_env=dict(cfg.ray_init.runtime_env),
+                    timeline_json_file=cfg.ray_init.timeline_json_file, start_timeout_s=cfg.trainer.ray_wait_register_center_timeout)
 
 
 def check_stack(cfg: Config, *, with_rollout: bool) -> None:

@@ -216,17 +216,12 @@ def collect_facts(environ: Mapping[str, str] | None = None) -> Facts:
     processes, smi_error = npu_smi_processes()
     return Facts(
         python=platform.python_version(),
-        versions=versions,
-        dists=dists,
+        versions=versions, dists=dists,
         cann_version=cann[0] if cann else None,
         cann_source=cann[1] if cann else None,
-        torch_error=torch_error,
-        torch_npu_error=torch_npu_error,
-        devices=devices,
-        device_error=device_error,
-        atb=atb,
-        atb_sourced=atb_sourced,
-        npu_processes=processes,
-        npu_smi_error=smi_error,
+        torch_error=torch_error, torch_npu_error=torch_npu_error,
+        devices=devices, device_error=device_error,
+        atb=atb, atb_sourced=atb_sourced,
+        npu_processes=processes, npu_smi_error=smi_error,
         npu_allocator_toggle=toggle,
     )

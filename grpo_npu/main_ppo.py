@@ -14,6 +14,7 @@ import sys
 
 from grpo_npu.cli import apply_device_defaults, exit_code
 from grpo_npu.config import config_from_argv
+from grpo_npu.determinism import set_deterministic_env
 from grpo_npu.env import apply_process_env_defaults
 from grpo_npu.logs import setup_logging
 
@@ -31,6 +32,8 @@ def train(argv: list[str]) -> None:
     if cfg is None:  # --help or --cfg
         return
     apply_device_defaults(cfg.trainer.device)  # CPU runs keep freed host memory (env.CPU_MALLOC_ENV)
+    if cfg.trainer.deterministic:
+        set_deterministic_env()  # before torch and Ray start: the workers and the engine inherit it
     from grpo_npu.trainer import Trainer
 
     run_dir = os.path.abspath(os.path.expanduser(cfg.trainer.default_local_dir))

@@ -14,10 +14,13 @@ from typing import Mapping, Sequence
 
 from transformers import AutoConfig
 
+from grpo_npu.config import derive
 from grpo_npu.device import Device
-from grpo_npu.perf.flops import ModelShape
+from grpo_npu.perf.flops import ModelShape, dtype_name
 from grpo_npu.perf.hardware import device_spec
+from grpo_npu.perf.memory import MemoryInputs, memory_table, over_capacity, plan_memory, plan_metrics
 from grpo_npu.perf.report import StepReport, StepWorkload, step_report, verdict
+from grpo_npu.rollout.vllm_settings import CPU_KV_CACHE_BYTES
 from grpo_npu.workers.response_model import compute_dtype_of
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,7 @@ class StepLimits:
         self.cfg = cfg
         self.world_size = world_size
         self.reports: list[StepReport] = []
+        self.memory = memory_plan_metrics(cfg, dev, self.actor, world_size, self.dtype, self.rollout_dtype)
 
     def report(self, seconds: Mapping[str, float], metrics: Mapping[str, float], prompt_lengths: Sequence[int],
                response_lengths: Sequence[int], n: int) -> dict[str, float]:
@@ -71,8 +75,34 @@ class StepLimits:
             critic_ppo_epochs=critic.ppo_epochs or arr.actor.ppo_epochs)
         result = step_report(phases, workload, self.spec)
         self.reports.append(result)
-        return result.metrics()
+        return {**result.metrics(), **self.memory}
 
     def verdict(self) -> str:
         """One line: the phase furthest from its limit over the run (see ``perf.report.verdict``)."""
         return verdict(self.reports) if self.enabled else "perf: no phase limits for this model"
+
+
+def memory_plan_metrics(cfg, dev: Device, shape: ModelShape, world_size: int, dtype, rollout_dtype) -> dict[str, float]:
+    """Log the memory plan of this run as one table, warn for each phase that will not fit the device, and
+    return its ``perf/mem_estimate_gb/*`` metrics (logged every step beside the measured peaks)."""
+    arr, d = cfg.actor_rollout_ref, derive(cfg, world_size)
+    actor, rollout = arr.actor, arr.rollout
+    length = d.prompt_length + d.response_length
+    tokens_micro = max(1, actor.ppo_max_token_len_per_gpu // length)  # dynamic batch size: rows of a full budget
+    kv = None
+    if rollout.name == "vllm" and not dev.is_accelerator:
+        kv = int((rollout.engine_kwargs.get("vllm", {}) or {}).get("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES))
+    capacity = dev.total_memory()
+    plan = plan_memory(MemoryInputs(
+        shape=shape, world_size=world_size, master_dtype="fp32", compute_dtype=dtype_name(dtype),
+        rollout_dtype=dtype_name(rollout_dtype), micro_batch=d.micro_batch_per_rank or tokens_micro,
+        log_prob_micro_batch=d.log_prob_micro_batch_per_rank or tokens_micro, prompt_length=d.prompt_length,
+        response_length=d.response_length, rollout_rows=d.train_batch_responses // world_size,
+        gradient_checkpointing=arr.model.enable_gradient_checkpointing, rollout=rollout.name,
+        gpu_memory_utilization=rollout.gpu_memory_utilization, capacity=capacity,
+        optimizer_offload=actor.fsdp_config.optimizer_offload, param_offload=actor.fsdp_config.param_offload,
+        kv_cache_bytes=kv))
+    log.info("%s", memory_table(plan, capacity))
+    for message in over_capacity(plan, capacity):
+        log.warning("%s", message)
+    return plan_metrics(plan)

@@ -19,6 +19,7 @@ from grpo_npu import config as C
 from grpo_npu.algo.advantages import compute_advantage
 from grpo_npu.algo.dapo import filter_groups
 from grpo_npu.algo.kl import apply_kl_in_reward, make_kl_controller
+from grpo_npu.algo.rollout_corr import correct_batch
 from grpo_npu.batch import RolloutBatch, balance_order, cat_right_padded
 from grpo_npu.checkpoint import CheckpointManager, changed_settings, load_state_file, optim_settings, save_plan
 from grpo_npu.cluster import Workers
@@ -30,7 +31,8 @@ from grpo_npu.input_checks import check_inputs
 from grpo_npu.logs import attach_run_log, detach
 from grpo_npu.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics
 from grpo_npu.preflight import log_checks, run_checks
-from grpo_npu.reward.manager import get_reward_manager
+from grpo_npu.replay import RolloutSource, engine_needed
+from grpo_npu.reward.manager import OverlongShaping, get_reward_manager
 from grpo_npu.reward.sandbox import SandboxSettings
 from grpo_npu.reward.score import make_compute_score
 from grpo_npu.rollout import logp_diff_metrics, training_sampling, validation_sampling
@@ -82,10 +84,10 @@ class Trainer:
             ob = rm.overlong_buffer
             sandbox = SandboxSettings(timeout_s=rm.timeout_s, fallback_score=rm.fallback_score,
                                       max_failed_fraction=rm.max_failed_fraction, memory_limit_mb=rm.memory_limit_mb)
-            self.reward_fn = get_reward_manager(
-                rm.reward_manager, tokenizer=self.tokenizer, compute_score=compute_score, num_workers=rm.num_workers,
-                max_response_length=self.derived.response_length, overlong_buffer_enable=ob.enable,
-                overlong_buffer_len=ob.len, overlong_penalty_factor=ob.penalty_factor, sandbox=sandbox)
+            overlong = (OverlongShaping(self.derived.response_length, ob.len, ob.penalty_factor, ob.log)
+                        if ob.enable else None)
+            self.reward_fn = get_reward_manager(rm.reward_manager, tokenizer=self.tokenizer, compute_score=compute_score,
+                                                num_workers=rm.num_workers, sandbox=sandbox, overlong=overlong)
             self.val_reward_fn = get_reward_manager("naive", tokenizer=self.tokenizer, compute_score=compute_score,
                                                     num_workers=rm.num_workers, sandbox=sandbox)
             kc = cfg.algorithm.kl_ctrl
@@ -93,9 +95,12 @@ class Trainer:
 
             self.ckpt = CheckpointManager(self.run_dir, max_to_keep=t.max_actor_ckpt_to_keep)
             self.resume_from = self.ckpt.resolve_resume(t.resume_mode, t.resume_from_path)
+            self.rollouts = RolloutSource(cfg, self.derived, self.rollout_and_reward, self.tokenizer, first_step=(
+                self.resume_from or (0,))[0] + 1, last_step=self.total_steps)  # replay: refuses a dump that does not fit
             if self.resume_from is None:  # a fresh start: another run's files must not mix with this one's
                 prepare_fresh_start(self.run_dir, t.existing_run_dir)
-            self.workers = workers if workers is not None else Workers.build(cfg, total_training_steps=self.total_steps)
+            self.workers = workers if workers is not None else Workers.build(
+                cfg, total_training_steps=self.total_steps, with_rollout=engine_needed(cfg))  # replay: no engine unless validating
             self.limits = StepLimits(cfg, self.device, world_size=self.world_size, use_critic=self.derived.use_critic)
             self.tracker = Tracker(self.run_dir, tuple(t.logger), project=t.project_name, experiment=t.experiment_name,
                                    config_dict=C.to_dict(cfg), total_steps=self.total_steps)
@@ -135,7 +140,7 @@ class Trainer:
                 timer = Timer()
                 self.workers.group.deadline = watchdog.start_step(step, timer)
                 with timer("step"):
-                    batch, metrics = self.rollout_and_reward(step, timer)
+                    batch, metrics = self.rollouts(step, timer)  # rollout_and_reward (+ dump), or a replayed dump
                     rows = (batch.prompt_lengths.tolist(), batch.response_lengths.tolist())  # generation order
                     if not self._sane_rewards(batch):
                         self._bad_step(step, f"non-finite rewards or rewards beyond +-{MAX_ABS_REWARD:g}")
@@ -159,7 +164,6 @@ class Trainer:
                 if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps or stop.requested):
                     metrics["timing_s/save_checkpoint"] = self.save_checkpoint()
                 self.tracker.log(metrics, step=step)
-                self._dump_rollout(batch, step)
                 watchdog.end_step()
                 stop.step_done.set()
                 last = metrics
@@ -275,6 +279,7 @@ class Trainer:
                                                          batch.response_mask, self.kl_ctrl, alg.kl_penalty)
                 metrics.update({k: float(v) for k, v in kl_metrics.items()})
                 self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=len(batch))
+            batch = correct_batch(batch, alg.rollout_correction, metrics)  # rollout IS weights / rejection (verl's order)
             adv, ret = compute_advantage(
                 alg.adv_estimator, token_level_rewards=rewards, response_mask=batch.response_mask,
                 group_ids=batch.uid, values=batch.values, gamma=alg.gamma, lam=alg.lam,
@@ -290,8 +295,7 @@ class Trainer:
             with timer("update_actor"):
                 metrics.update(self.workers.update_actor(batch))
         if batch.rollout_logp is not None and not self.old_logp_from_update(step):  # else the update reported them
-            metrics.update({k: float(v) for k, v in
-                            logp_diff_metrics(batch.rollout_logp, batch.old_logp, batch.response_mask).items()})
+            metrics.update(logp_diff_metrics(batch.rollout_logp, batch.old_logp, batch.response_mask))
         return metrics
 
     def validate(self) -> dict[str, float]:
@@ -374,10 +378,7 @@ class Trainer:
         return next(self._batches)
 
     def _dataset(self, files) -> RLDataset:
-        d = self.cfg.data
-        return RLDataset(list(files), self.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-                         truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
-                         return_raw_chat=d.return_raw_chat, reward_fn_key=d.reward_fn_key)
+        return RLDataset.from_config(list(files), self.tokenizer, self.cfg.data)
 
     def _val_batch_size(self) -> int | None:
         size = self.cfg.data.val_batch_size
@@ -396,8 +397,7 @@ class Trainer:
         return batch.token_level_scores.sum(-1)
 
     def _step_metrics(self, batch: RolloutBatch, timer: Timer) -> dict[str, float]:
-        seconds = dict(timer.seconds)
-        num_tokens = batch.num_tokens()
+        seconds, num_tokens = dict(timer.seconds), batch.num_tokens()
         metrics = compute_data_metrics(batch, use_critic=self.derived.use_critic,
                                        max_response_length=self.derived.response_length,
                                        max_prompt_length=self.derived.prompt_length)
@@ -428,11 +428,6 @@ class Trainer:
                 self.save_checkpoint()
                 saved = f"saved the last good state as global_step_{self.global_step} in {self.run_dir}"
             raise TrainingStopped(f"{self.bad_steps} consecutive bad steps (last: {why}); {saved}")
-
-    def _dump_rollout(self, batch: RolloutBatch, step: int) -> None:
-        if self.cfg.trainer.rollout_data_dir:
-            write_jsonl(Path(self.cfg.trainer.rollout_data_dir) / f"{step}.jsonl",
-                        decode_samples(self.tokenizer, batch, len(batch)))
 
     def _log_doctor(self) -> None:
         rollout = self.cfg.actor_rollout_ref.rollout

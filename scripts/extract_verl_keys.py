@@ -5,7 +5,7 @@ Usage (the wheel is downloaded, never installed; the git dirs are bare snapshots
     pip download --no-deps verl==0.9.1 -d /tmp/verl
     python scripts/extract_verl_keys.py /tmp/verl/verl-0.9.1-py3-none-any.whl \
         --verl-git-dir VERL.git --recipe-git-dir VERL_RECIPE.git \
-        -o tests/verl/verl_0.9.1_ppo_trainer_keys.tsv
+        -o grpo_npu/config/verl_0.9.1_keys.tsv
 
 What goes in, as rows of ``key <TAB> default <TAB> source <TAB> config``:
 

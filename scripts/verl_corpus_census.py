@@ -4,7 +4,7 @@ Usage::
 
     PYTHONPATH=. python scripts/verl_corpus_census.py [-o tests/verl/census.txt]
 
-Reads ``tests/verl/verl_example_command_lines.jsonl`` and ``tests/verl/verl_0.9.1_ppo_trainer_keys.tsv``
+Reads ``tests/verl/verl_example_command_lines.jsonl`` and ``grpo_npu/config/verl_0.9.1_keys.tsv``
 (see tests/verl/README.md) and reports:
 
 1. every key the corpus sets, classed against the reference list: a reference key; below a reference key whose
@@ -30,7 +30,7 @@ from grpo_npu.errors import ConfigError
 
 HERE = Path(__file__).resolve().parent.parent / "tests" / "verl"
 CORPUS = HERE / "verl_example_command_lines.jsonl"
-KEYS = HERE / "verl_0.9.1_ppo_trainer_keys.tsv"
+KEYS = HERE.parent.parent / "grpo_npu" / "config" / "verl_0.9.1_keys.tsv"
 DUMMIES = {"{TINY_MODEL}": "/tmp/census/tiny-model", "{TRAIN_PARQUET}": "/tmp/census/train.parquet",
            "{VAL_PARQUET}": "/tmp/census/val.parquet", "{RUN_DIR}": "/tmp/census/run",
            "{VERL_ROOT}": "/tmp/census/verl"}
@@ -166,7 +166,7 @@ def main() -> int:
     # 2. today's parser
     outcomes = [load_outcome([dummy(a) for a in r["args"]]) for r in lines]
     say("")
-    say("2. today's parser (grpo_npu.config.split_argv + load_config), placeholders swapped for dummy paths:")
+    say("2. grpo_npu's parser (grpo_npu.config.split_argv + load_config, with support.py's dispositions), placeholders swapped for dummy paths:")
     totals = collections.Counter(kind for kind, _, _ in outcomes)
     say("  " + ", ".join(f"{kind} {totals[kind]}" for kind in ("accepted", "refused", "unknown key", "exception")))
     for r, (kind, _, _) in zip(lines, outcomes):
@@ -182,12 +182,19 @@ def main() -> int:
                 else:
                     example = next(m for k, g, m in outcomes if k == kind and g == group)
                     say(f"     {n:4d}  {group}   e.g. {example[:160]}")
+    features = collections.Counter(
+        (m.group(1) if (m := re.match(r"not supported by grpo_npu: \S+ \((.*)\)(;|$)", msg)) else "(a value the key's "
+         "accepted list lacks)" if "is not accepted" in msg else "(the key alone)")
+        for kind, _, msg in outcomes if kind == "refused")
+    say("  -- refused, by the feature the message names:")
+    for feature, n in features.most_common():
+        say(f"     {n:4d}  {feature}")
     cache: dict[str, bool] = {}
     blocking: dict[str, int] = collections.Counter()
     for r in lines:
         for key in {arg_key(a) for a in r["args"] if unknown_to_parser(a, cache)}:
             blocking[key] += 1
-    say(f"  -- every key today's parser calls unknown ({len(blocking)}), with the command lines holding it:")
+    say(f"  -- every key the parser calls unknown ({len(blocking)}), with the command lines holding it:")
     for key, n in sorted(blocking.items(), key=lambda kv: (-kv[1], kv[0])):
         say(f"     {n:4d}  {key}   [{classify(key, ref, key in added)}]")
 

@@ -13,7 +13,8 @@ import pytest
 
 import grpo_npu
 from grpo_npu import metrics
-from grpo_npu.algo import advantages, dapo, groups, kl, losses, masked
+from grpo_npu.algo import advantages, dapo, groups, kl, losses, masked, rollout_corr
+from grpo_npu.algo import names as algo_names
 from grpo_npu.reward import custom, gsm8k, manager, math as math_reward, parallel, score
 from grpo_npu.reward import known_data_sources
 from grpo_npu.reward.manager import REWARD_MANAGERS
@@ -31,6 +32,8 @@ QUOTED = set(re.findall(r"`([^`\n]+)`", PROSE))
         ("kl_loss_type / kl_penalty", kl.KL_ESTIMATORS.names()),
         ("policy_loss.loss_mode", losses.POLICY_LOSSES.names()),
         ("loss_agg_mode", list(losses.AGG_MODES)),
+        ("rollout_correction.rollout_is", list(algo_names.ROLLOUT_IS_LEVELS)),
+        ("rollout_correction.rollout_rs", list(algo_names.ROLLOUT_RS_OPTIONS)),
         ("reward_manager", list(REWARD_MANAGERS)),
         ("data_source", known_data_sources()),
     ],
@@ -50,6 +53,8 @@ def test_every_registered_name_is_described(kind, names):
         (losses, ["ppo_clip_loss", "gspo_loss", "value_loss", "agg_loss", "agg_counts", "get_policy_loss_fn",
                   "LOG_RATIO_CLAMP", "GSPO_LOG_RATIO_MAX"]),
         (masked, ["masked_values", "masked_sum", "masked_mean", "masked_whiten", "WHITEN_EPS"]),
+        (rollout_corr, ["compute_rollout_correction", "rollout_is_weights", "rollout_rejection_mask", "offpolicy_metrics",
+                        "probs_diff_metrics", "correct_batch", "SAFETY_BOUND"]),
         (groups, ["group_stats"]),
         (dapo, ["filter_groups", "overlong_penalty"]),
         (manager, ["NaiveRewardManager", "DAPORewardManager"]),

@@ -93,7 +93,7 @@ def test_bad_type_and_bad_value_messages():
         load_config(BASE + ["actor_rollout_ref.actor.clip_ratio_c=0.5"])
     with pytest.raises(ConfigError, match=r"filter_groups\.metric=None"):
         load_config(BASE + ["algorithm.filter_groups.enable=True"])
-    with pytest.raises(ConfigError, match=r"LoRA is not implemented"):
+    with pytest.raises(ConfigError, match=r"not supported by grpo_npu: actor_rollout_ref\.model\.lora_rank=8 \(LoRA\)"):
         load_config(BASE + ["actor_rollout_ref.model.lora_rank=8"])
     with pytest.raises(ConfigError, match=r"is a config section"):
         load_config(BASE + ["trainer=3"])

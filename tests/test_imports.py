@@ -23,9 +23,9 @@ PACKAGE_DIR = Path(grpo_npu.__file__).parent
 # the config validates against) are on the lowest floor wherever they live.
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("errors", "io", "env", "names", "logs"),  # standard library only
-    ("device", "batch", "config"),
+    ("device", "batch", "config", "determinism"),
     ("algo", "ops", "data", "reward", "models", "metrics", "perf", "checkpoint", "rundir", "input_checks",
-     "installation", "compat", "preflight", "tracking", "run_control", "samples"),
+     "installation", "compat", "preflight", "tracking", "run_control", "samples", "replay"),
     ("rollout", "workers"),
     ("trainer", "cluster", "sft", "step_limits"),
     ("main_ppo", "main_sft", "cli", "default_job", "doctor", "tools"),

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -118,13 +118,25 @@ def _broadcast(per_seq: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, per_seq.unsqueeze(-1), torch.zeros((), dtype=per_seq.dtype, device=per_seq.device))
 
 
-def _group_centred(scores: torch.Tensor, group_ids):
-    """Per-response (group mean, group std, group size) gathered to (B,); mean 0 for groups of one."""
+class _GroupScores(NamedTuple):
+    """A batch's sequence scores beside their group's statistics, each (B,); ``valid`` (B, T) bool."""
+
+    valid: torch.Tensor
+    scores: torch.Tensor
+    mean: torch.Tensor  # the group's mean score; 0 for groups of one
+    std: torch.Tensor
+    count: torch.Tensor
+
+
+def _group_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids) -> _GroupScores:
+    """Sequence scores s_i and their group's (mean, std, size) gathered to (B,); mean 0 for groups of one."""
+    valid = _valid_mask(token_level_rewards, response_mask)
+    scores = _sequence_scores(token_level_rewards, valid)  # (B,)
     index, num_groups = group_index(group_ids, scores.shape[0], device=scores.device)
     stats = group_stats(scores, index, num_groups)
     count = stats.count[index]
     mean = torch.where(count > 1, stats.mean[index], torch.zeros_like(scores))
-    return mean, stats.std[index], count
+    return _GroupScores(valid, scores, mean, stats.std[index], count)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -140,9 +152,7 @@ def grpo_advantage(
     norm_by_std: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: (s_i - group mean) / (group std + eps); groups of one use mean 0, std 1."""
-    valid = _valid_mask(token_level_rewards, response_mask)
-    scores = _sequence_scores(token_level_rewards, valid)  # (B,)
-    mean, std, count = _group_centred(scores, group_ids)
+    valid, scores, mean, std, count = _group_scores(token_level_rewards, response_mask, group_ids)
     centred = scores - mean
     if norm_by_std:
         std = torch.where(count > 1, std, torch.ones_like(std))
@@ -156,9 +166,7 @@ def rloo_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: s_i minus the mean of the other responses of its group, n/(n-1) (s_i - mu); 0 alone."""
-    valid = _valid_mask(token_level_rewards, response_mask)
-    scores = _sequence_scores(token_level_rewards, valid)  # (B,)
-    mean, _, count = _group_centred(scores, group_ids)
+    valid, scores, mean, _, count = _group_scores(token_level_rewards, response_mask, group_ids)
     leave_one_out = torch.where(count > 1, count / (count - 1).clamp(min=1) * (scores - mean), torch.zeros_like(scores))
     advantages = _broadcast(leave_one_out, valid)
     return advantages, advantages
@@ -191,9 +199,7 @@ def reinforce_plus_plus_baseline_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with a group baseline: s_i - group mean, broadcast, whitened over the batch."""
-    valid = _valid_mask(token_level_rewards, response_mask)
-    scores = _sequence_scores(token_level_rewards, valid)  # (B,)
-    mean, _, _ = _group_centred(scores, group_ids)
+    valid, scores, mean, _, _ = _group_scores(token_level_rewards, response_mask, group_ids)
     advantages = masked_whiten(_broadcast(scores - mean, valid), valid)
     return advantages, advantages
 

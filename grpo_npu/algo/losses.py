@@ -121,23 +121,25 @@ def _check_policy_inputs(logp, old_logp, advantages, mask, clip_low: float, clip
         raise ValueError(f"actor.clip_ratio_low/high: expected >= 0, got {clip_low} / {clip_high}")
 
 
+def _is_weighted(per_token: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Per-token losses times the rollout-correction IS weights (detached, (B, T)); unchanged without weights."""
+    if weights is None:
+        return per_token
+    if weights.shape != per_token.shape:
+        raise ValueError(f"rollout_is_weights {tuple(weights.shape)}: expected the loss's (B, T) {tuple(per_token.shape)}")
+    return per_token * weights.detach().to(per_token.dtype)
+
+
 @register_policy_loss("vanilla")
-def ppo_clip_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_c: float = 3.0,
-    agg_mode: str = "token-mean",
-    **agg_kwargs,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                  clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0, agg_mode: str = "token-mean",
+                  rollout_is_weights: torch.Tensor | None = None,
+                  **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with asymmetric clip (DAPO clip-higher) and dual-clip for A < 0.
 
-    Metrics: pg_clipfrac (the clipped branch taken), pg_clipfrac_lower (the dual-clip branch taken),
-    ppo_kl (mean of old_logp - logp, log ratio clamped).
+    ``rollout_is_weights`` (B, T), from :mod:`grpo_npu.algo.rollout_corr`, multiply the per-token losses
+    before aggregation (verl's rollout correction). Metrics: pg_clipfrac (the clipped branch taken),
+    pg_clipfrac_lower (the dual-clip branch taken), ppo_kl (mean of old_logp - logp, log ratio clamped).
     """
     _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
     if clip_c <= 1.0:
@@ -152,7 +154,7 @@ def ppo_clip_loss(
     loss_dual = -adv * clip_c  # caps the loss of A < 0 tokens whose ratio has grown very large
     negative = adv < 0
     per_token = torch.where(negative, torch.minimum(loss_ppo, loss_dual), loss_ppo)
-    loss = agg_loss(per_token, mask, agg_mode, **agg_kwargs)
+    loss = agg_loss(_is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(dtype), mask),
@@ -163,18 +165,10 @@ def ppo_clip_loss(
 
 
 @register_policy_loss("gspo")
-def gspo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_c: float = 3.0,
-    agg_mode: str = "seq-mean-token-mean",
-    **agg_kwargs,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+              clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0, agg_mode: str = "seq-mean-token-mean",
+              rollout_is_weights: torch.Tensor | None = None,
+              **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: the sequence ratio s_i = exp(token-mean log ratio), per token sg(s_i) * pi / sg(pi), clipped.
 
     As verl's compute_policy_loss_gspo: the token log ratios enter the sequence mean unclamped, the
@@ -182,6 +176,7 @@ def gspo_loss(
     masked mean of the raw old_logp - logp. Published GSPO has no dual clip: ``clip_c`` is accepted
     for the common signature and unused, and pg_clipfrac_lower is 0. Pass the small GSPO clip ranges
     (e.g. 3e-4 / 4e-4); the default aggregation is verl's for GSPO, seq-mean-token-mean.
+    ``rollout_is_weights`` as in :func:`ppo_clip_loss`.
     """
     _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
     dtype = acc_dtype(logp)
@@ -195,7 +190,7 @@ def gspo_loss(
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(loss_unclipped, loss_clipped)
-    loss = agg_loss(per_token, mask, agg_mode, **agg_kwargs)
+    loss = agg_loss(_is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(dtype), mask),

@@ -20,3 +20,55 @@ AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-me
 # algorithm.filter_groups.metric: the per-response value whose std within a group DAPO's
 # dynamic sampling (dapo.filter_groups) tests; the trainer reads it from the batch
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+
+# algorithm.rollout_correction (verl's names; rollout_corr.py acts on them).
+# rollout_is: the level of the truncated importance-sampling weight pi_old / pi_rollout (None: no weights)
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+# rollout_rs: rejection-sampling criteria, a comma-separated list; <level>_<estimator> with level token,
+# seq_sum, seq_mean (the geometric mean of the ratio for k1) or seq_max and estimator k1 = -log r,
+# k2 = (log r)^2 / 2, k3 = r - 1 - log r (r = pi_old / pi_rollout). k1 takes "lower_upper" ratio bounds,
+# k2 / k3 an upper bound.
+ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                      "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+
+
+def parse_rollout_rs(rollout_rs: str, threshold) -> tuple[tuple[str, float | None, float], ...]:
+    """``rollout_rs`` and ``rollout_rs_threshold`` as ((option, lower, upper), ...), in verl's way.
+
+    Options are comma-separated, duplicates dropped in order. Thresholds: one per option, comma-separated,
+    or one shared by all. A k1 option takes "lower_upper" ratio bounds, or one number (the upper bound,
+    lower = 1 / upper); k2 / k3 options take one positive upper bound (lower None). ValueError naming the
+    key otherwise.
+    """
+    key = "algorithm.rollout_correction.rollout_rs"
+    options = list(dict.fromkeys(o.strip() for o in str(rollout_rs).split(",") if o.strip()))
+    if not options:
+        raise ValueError(f"{key}={rollout_rs!r}: expected one or more of {', '.join(ROLLOUT_RS_OPTIONS)}")
+    for option in options:
+        if option not in ROLLOUT_RS_OPTIONS:
+            raise ValueError(f"{key}: unknown option {option!r}; known: {', '.join(ROLLOUT_RS_OPTIONS)}")
+    tkey = "algorithm.rollout_correction.rollout_rs_threshold"
+    if threshold is None:
+        raise ValueError(f"{tkey} must be set when {key}={rollout_rs!r} (e.g. 0.5_2.0 for k1, 0.01 for k2 / k3)")
+    specs = [s.strip() for s in str(threshold).split(",") if s.strip()]
+    if len(specs) not in (1, len(options)):
+        raise ValueError(f"{tkey}={threshold!r}: expected one threshold or {len(options)} (one per {key} option)")
+    specs = specs * len(options) if len(specs) == 1 else specs
+    parsed = []
+    for option, spec in zip(options, specs):
+        try:
+            if option.endswith("k1"):
+                lower_s, _, upper_s = spec.partition("_") if "_" in spec else ("", "", spec)
+                upper = float(upper_s)
+                lower = float(lower_s) if lower_s else 1.0 / upper
+            elif "_" in spec:
+                raise ValueError
+            else:
+                lower, upper = None, float(spec)
+        except (ValueError, ZeroDivisionError):
+            want = "'lower_upper' ratio bounds or one upper bound" if option.endswith("k1") else "one upper bound"
+            raise ValueError(f"{tkey}={threshold!r}: {option} needs {want}, got {spec!r}") from None
+        if upper <= 0 or (lower is not None and lower <= 0):
+            raise ValueError(f"{tkey}={threshold!r}: {option} needs positive bounds, got {spec!r}")
+        parsed.append((option, lower, upper))
+    return tuple(parsed)

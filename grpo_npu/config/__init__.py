@@ -50,6 +50,7 @@ from grpo_npu.config.schema import (
     OverlongBufferConfig,
     RayInitConfig,
     RewardModelConfig,
+    RolloutCorrectionConfig,
     TrainerConfig,
 )
 from grpo_npu.config.validation import validate
@@ -63,7 +64,8 @@ __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "CheckpointConfig", "Config", "CriticConfig",
     "CriticModelConfig", "CustomRewardFunctionConfig", "DataConfig", "FSDPConfig", "FilterGroupsConfig",
     "KLCtrlConfig", "MixedPrecisionConfig", "ModelConfig", "OptimConfig", "OverlongBufferConfig",
-    "PolicyLossConfig", "RayInitConfig", "RefConfig", "RewardModelConfig", "RolloutConfig", "TrainerConfig",
+    "PolicyLossConfig", "RayInitConfig", "RefConfig", "RewardModelConfig", "RolloutConfig", "RolloutCorrectionConfig",
+    "TrainerConfig",
     "ValKwargsConfig", "choice", "free_dict", "many",
     # keys, loading, validation, derived values, the command line
     "KeySpec", "iter_keys", "FrozenDict", "load_config", "parse_overrides", "to_dict", "to_yaml", "validate",

@@ -147,6 +147,8 @@ class ActorConfig:
     """Dual-clip bound for negative advantages (must be > 1)."""
     loss_agg_mode: str = choice("token-mean", AGG_MODES)
     """How per-token losses are aggregated over the mini-batch."""
+    mask_truncated_completions: bool = False
+    """Leave responses cut at the length limit without eos (stop_reason 'length') out of the policy, KL and entropy losses (TRL's name)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (loss -= coeff x entropy)."""
     use_kl_loss: bool = False
@@ -160,7 +162,7 @@ class ActorConfig:
     ppo_epochs: int = 1
     """Passes over each batch per step."""
     old_log_prob: str = choice("auto", ("auto", "recompute"))
-    """auto: one optimizer step on the whole batch reuses its forward as old log-probs; recompute: separate pass."""
+    """auto: one optimizer step on the whole batch (no rollout correction) reuses its forward as old log-probs; recompute: separate pass."""
     shuffle: bool = False
     """Shuffle responses before splitting into mini-batches."""
     data_loader_seed: Optional[int] = None
@@ -258,7 +260,7 @@ class RolloutConfig:
     disable_log_stats: bool = True
     """Silence vLLM's periodic stats."""
     calculate_log_probs: bool = False
-    """Return the engine's log-probs for the rollout/training mismatch metric."""
+    """Return the engine's log-probs: rollout/training mismatch metrics; needed by algorithm.rollout_correction."""
     log_prob_micro_batch_size: Optional[int] = None
     """Deprecated global micro-batch size for old log-probs."""
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
@@ -279,6 +281,8 @@ class RolloutConfig:
 class ActorRolloutRefConfig:
     hybrid_engine: bool = True
     """Actor, rollout and reference share the same workers (the only mode implemented)."""
+    nccl_timeout: int = 600
+    """Seconds a collective may wait before the process group fails (torch.distributed timeout; HCCL/NCCL/gloo)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     actor: ActorConfig = field(default_factory=ActorConfig)

@@ -1,7 +1,8 @@
 """The command line of the entry points: options, ``key=value`` overrides, ``--help`` and ``--cfg``.
 
 Options are ``--config FILE.yaml`` (also ``config=FILE``, or hydra's ``--config-path DIR
---config-name NAME``), ``--cfg`` (print the resolved config) and ``--help`` (every key with its
+--config-name NAME``; a verl built-in name such as ``ppo_trainer`` with no such file means grpo_npu's
+defaults, and ``ppo_megatron_trainer`` is refused in one line), ``--cfg`` (print the resolved config) and ``--help`` (every key with its
 type, accepted values, default and docstring); everything else is a ``key=value`` override.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from grpo_npu.config.keys import iter_keys
 from grpo_npu.config.loading import load_config, to_yaml
 from grpo_npu.config.schema import Config
+from grpo_npu.config.support import builtin_config, is_builtin_config
 from grpo_npu.errors import ConfigError
 
 # Options naming the YAML file: ours, and hydra's folder + name (either spelling)
@@ -62,6 +64,9 @@ def split_argv(argv: list[str]) -> CommandLine:
     if config_name:
         name = config_name if config_name.endswith((".yaml", ".yml")) else config_name + ".yaml"
         yaml_path = os.path.join(config_dir or ".", name)
+        if not os.path.isfile(yaml_path) and is_builtin_config(config_name):  # verl's own config, by name
+            overrides = builtin_config(config_name) + overrides
+            yaml_path = None
     return CommandLine(overrides, yaml_path, show_help, print_cfg)
 
 

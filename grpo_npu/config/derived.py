@@ -42,7 +42,13 @@ class Derived:
     log_prob_max_token_len: int
     ref_log_prob_use_dynamic_bsz: bool
     ref_log_prob_max_token_len: int
-    old_logp_from_update: bool = False  # old log-probs come from the update's forward (actor.old_log_prob=auto)
+    old_logp_from_update: bool = False  # old log-probs come from the update's forward (actor.old_log_prob=auto, no rollout correction)
+
+
+def rollout_correction_on(cfg: Config) -> bool:
+    """IS weights or rejection sampling are on: they need the old log-probs on the driver before the update."""
+    rc = cfg.algorithm.rollout_correction
+    return rc.rollout_is is not None or rc.rollout_rs is not None
 
 
 def derive(cfg: Config, world_size: int | None = None) -> Derived:
@@ -109,8 +115,7 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
     lp_dyn = rollout.log_prob_use_dynamic_bsz if rollout.log_prob_use_dynamic_bsz is not None else actor.use_dynamic_bsz
     ref_dyn = arr.ref.log_prob_use_dynamic_bsz if arr.ref.log_prob_use_dynamic_bsz is not None else actor.use_dynamic_bsz
     return Derived(
-        world_size=ws,
-        n=n,
+        world_size=ws, n=n,
         train_batch_responses=train_responses,
         gen_batch_size=gen,
         mini_batch_responses_per_rank=mini_per_rank,
@@ -121,8 +126,7 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
         critic_micro_batch_per_rank=critic_micro,
         prompt_length=rollout.prompt_length or d.max_prompt_length,
         response_length=rollout.response_length or d.max_response_length,
-        clip_low=clip_low,
-        clip_high=clip_high,
+        clip_low=clip_low, clip_high=clip_high,
         use_critic=bool(use_critic),
         use_reference=actor.use_kl_loss or alg.use_kl_in_reward,
         log_prob_use_dynamic_bsz=lp_dyn,
@@ -130,5 +134,6 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
         ref_log_prob_use_dynamic_bsz=ref_dyn,
         ref_log_prob_max_token_len=arr.ref.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu,
         old_logp_from_update=(actor.old_log_prob == "auto" and actor.ppo_epochs == 1
-                              and actor.ppo_mini_batch_size == d.train_batch_size and not alg.use_kl_in_reward),
+                              and actor.ppo_mini_batch_size == d.train_batch_size and not alg.use_kl_in_reward
+                              and not rollout_correction_on(cfg)),
     )

@@ -101,17 +101,18 @@ def schema_node(path: list[str]) -> tuple[str, Any]:
 
 
 @functools.cache
-def _all_keys() -> tuple[str, ...]:
+def all_keys() -> tuple[str, ...]:
+    """Every leaf key of the schema (cached)."""
     return tuple(s.key for s in iter_keys())
 
 
 def suggest(key: str) -> str:
     """'; did you mean a, b?' naming the known keys closest to an unknown ``key`` (or '')."""
-    all_keys = _all_keys()
+    known = all_keys()
     leaf = key.rsplit(".", 1)[-1]
-    close = difflib.get_close_matches(key, all_keys, n=3, cutoff=0.6)
-    same_leaf = [k for k in all_keys if k.rsplit(".", 1)[-1] == leaf and k not in close]
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == leaf and k not in close]
     close = (close + same_leaf)[:4]
     if not close:
-        close = [k for k in all_keys if difflib.SequenceMatcher(None, leaf, k.rsplit(".", 1)[-1]).ratio() > 0.75][:4]
+        close = [k for k in known if difflib.SequenceMatcher(None, leaf, k.rsplit(".", 1)[-1]).ratio() > 0.75][:4]
     return f"; did you mean {', '.join(close)}?" if close else ""

@@ -1,62 +1,142 @@
 """Loading: the schema's defaults <- an optional YAML <- ``key=value`` overrides, through OmegaConf.
 
-Every key is checked against the schema before merging, so an unknown one is refused with
-suggestions; ``+key=value`` (or ``++key=value``) adds a key to a free-form dict such as
-``actor_rollout_ref.model.override_config``; a scalar given for a list key becomes a one-element
-list. The merged result is converted to the frozen dataclasses, frozen all the way down, and
+Every key is checked against the schema before merging. A key the schema lacks but verl knows (its
+0.9.1 key list, :mod:`grpo_npu.config.verl_keys`) is mapped to its grpo_npu home, or accepted at verl's
+default and refused otherwise (:mod:`grpo_npu.config.support`); only a key verl does not know either
+is called unknown, with suggestions. Hydra's forms behave as in verl: ``+key=value`` adds a key (an
+error for a key verl declares), ``++key=value`` sets or adds, ``~key`` deletes (back to the default).
+A scalar given for a list key becomes a one-element list. The merged result is converted to the frozen dataclasses, frozen all the way down, and
 validated (:func:`grpo_npu.config.validation.validate`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from grpo_npu.config.keys import iter_keys, schema_node, suggest
+from grpo_npu.config.keys import all_keys, iter_keys, schema_node, suggest
 from grpo_npu.config.schema import Config
+from grpo_npu.config.support import alias, check_schema_values, check_verl_value, known_to_verl
 from grpo_npu.config.validation import validate
+from grpo_npu.config.verl_keys import VERL_VERSION, free_dict_parent, in_base_config, is_verl_key, is_verl_section
 from grpo_npu.errors import ConfigError
+
+# A number with digit-separating underscores, which YAML 1.1 (and so OmegaConf) reads as that number.
+_YAML_NUMBER = re.compile(r"[-+]?[0-9][0-9_]*(\.[0-9_]*)?([eE][-+]?[0-9]+)?")
+
+
+@dataclass
+class Overrides:
+    """A command line's ``key=value`` items, sorted: schema values, verl-only keys, deletions."""
+
+    tree: DictConfig
+    """The values of grpo_npu's own keys (verl's second homes already mapped onto them)."""
+    verl_only: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """(key, value as written) of keys verl knows and the schema lacks: checked once the config is loaded."""
+    deleted: list[str] = dataclasses.field(default_factory=list)
+    """Keys removed with Hydra's ``~key``: back to their default, whatever the YAML said."""
+
+
+def _classify(key: str, value: str, prefix: str) -> tuple[str, str]:
+    """('schema', grpo_npu key) | ('verl', verl key) for one override; refuses an unknown key in one line."""
+    if prefix == "+" and in_base_config(key):
+        raise ConfigError(f"+{key}={value}: verl already declares {key}, so Hydra refuses to add it; "
+                          f"write {key}={value} (or ++{key}={value})")
+    target = alias(key)
+    kind, _ = schema_node(target.split("."))
+    if kind == "section":
+        raise ConfigError(f"{key!r} is a config section, not a value; set one of its keys (see --help)")
+    if kind == "free" and not prefix and not is_verl_key(key):
+        raise ConfigError(f"{key!r} adds a new key to a free-form dict: write +{key}={value}")
+    if kind != "unknown":
+        return "schema", target
+    if known_to_verl(key) or free_dict_parent(key) is not None:
+        return "verl", key
+    if prefix:
+        raise ConfigError(f"not supported by grpo_npu: {prefix}{key}={value} (a key verl {VERL_VERSION} does not "
+                          "declare and grpo_npu does not have)")
+    raise ConfigError(f"unknown config key {key!r}{suggest(key)}")
+
+
+def _quoted_if_text(key: str, value: str) -> str:
+    """``value`` quoted when ``key`` is a text key and YAML would read the value as a number (0.5_2 -> 0.52)."""
+    kind, spec = schema_node(key.split("."))
+    if kind == "leaf" and spec.type in ("str", "Optional[str]") and "_" in value and _YAML_NUMBER.fullmatch(value):
+        return f"'{value}'"  # rollout_rs_threshold's "0.5_2" stays text
+    return value
+
+
+def read_overrides(items: list[str]) -> Overrides:
+    """Sort ``[+|++]key=value`` and ``~key`` items (Hydra's forms, as verl reads them) against the schema."""
+    values: dict[str, str] = {}
+    verl_only: dict[str, str] = {}
+    deleted: list[str] = []
+    for item in items:
+        if item.startswith("~"):
+            key = alias(item[1:].split("=", 1)[0])
+            if schema_node(key.split("."))[0] == "unknown" and not known_to_verl(key):
+                raise ConfigError(f"~{key}: unknown config key{suggest(key)}")
+            for store in (values, verl_only):
+                for k in [k for k in store if k == key or k.startswith(key + ".")]:
+                    del store[k]
+            deleted.append(key)
+            continue
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value")
+        key, value = item.split("=", 1)
+        prefix = "++" if key.startswith("++") else "+" if key.startswith("+") else ""
+        where, key = _classify(key[len(prefix):], value, prefix)
+        if where == "schema":
+            values[key] = _quoted_if_text(key, value)
+        else:
+            verl_only[key] = value
+    try:
+        tree = OmegaConf.from_dotlist([f"{k}={v}" for k, v in values.items()])
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot parse overrides: {exc}") from None
+    return Overrides(tree, list(verl_only.items()), deleted)
 
 
 def parse_overrides(items: list[str]) -> DictConfig:
     """Check ``key=value`` overrides against the schema and turn them into one DictConfig."""
-    dotlist = []
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value")
-        key, value = item.split("=", 1)
-        adding = key.startswith("+")
-        key = key.lstrip("+")
-        kind, spec = schema_node(key.split("."))
-        if kind == "unknown":
-            raise ConfigError(f"unknown config key {key!r}{suggest(key)}")
-        if kind == "section":
-            raise ConfigError(f"{key!r} is a config section, not a value; set one of its keys (see --help)")
-        if kind == "free" and not adding:
-            raise ConfigError(f"{key!r} adds a new key to a free-form dict: write +{key}={value}")
-        dotlist.append(f"{key}={value}")
-    try:
-        return OmegaConf.from_dotlist(dotlist)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot parse overrides: {exc}") from None
+    return read_overrides(items).tree
 
 
-def _check_tree(node: Any, path: list[str], source: str) -> None:
-    """Reject unknown keys in a YAML tree before merging (OmegaConf's message lacks suggestions)."""
+def _check_tree(node: Any, path: list[str], source: str, verl_only: list[tuple[str, str]],
+                moved: list[tuple[str, Any]]) -> None:
+    """Reject unknown keys in a YAML tree before merging; move the keys only verl knows to ``verl_only`` and
+    verl's second homes of grpo_npu keys to ``moved`` (grpo_npu key, value)."""
     if not isinstance(node, (dict, DictConfig)):
         return
-    for k, v in node.items():
+    for k in list(node.keys()):
+        v = node[k]
         sub = path + [str(k)]
         kind, _ = schema_node(sub)
         key = ".".join(sub)
-        if kind == "unknown":
-            raise ConfigError(f"unknown config key {key!r} in {source}{suggest(key)}")
-        if kind == "section":
-            _check_tree(v, sub, source)
+        target = alias(key)
+        if kind == "unknown" and target != key and schema_node(target.split("."))[0] != "unknown":
+            moved.append((target, OmegaConf.to_container(v) if isinstance(v, (DictConfig, ListConfig)) else v))
+            node.pop(k)
+        elif kind == "unknown":
+            if is_verl_section(key) and isinstance(v, (dict, DictConfig)):
+                _check_tree(v, sub, source, verl_only, moved)
+                if not len(v):
+                    node.pop(k)
+                continue
+            if not (known_to_verl(key) or free_dict_parent(key) is not None):
+                raise ConfigError(f"unknown config key {key!r} in {source}{suggest(key)}")
+            plain = OmegaConf.to_container(v) if isinstance(v, (DictConfig, ListConfig)) else v
+            verl_only.append((key, plain if isinstance(plain, str) else json.dumps(plain)))
+            node.pop(k)
+        elif kind == "section":
+            _check_tree(v, sub, source, verl_only, moved)
 
 
 def _listify(node: DictConfig, path: list[str] = ()) -> None:
@@ -79,11 +159,11 @@ def _format_validation_error(exc: OmegaConfBaseException) -> str:
     key = getattr(exc, "full_key", None) or "?"
     msg = str(exc).splitlines()[0]
     spec = next((s for s in iter_keys() if s.key == key), None)
-    expected = f" (expected {spec.type})" if spec else ""
+    expected = f"; the value is not accepted (expected {spec.type})" if spec else ""
     return f"{key}: {msg}{expected}"
 
 
-def _load_yaml(yaml_path: str) -> DictConfig:
+def _load_yaml(yaml_path: str, verl_only: list[tuple[str, str]]) -> DictConfig:
     """A YAML file of overrides, checked against the schema (hydra's ``defaults``/``hydra`` keys dropped)."""
     if not os.path.isfile(yaml_path):
         raise ConfigError(f"config file {yaml_path!r} does not exist")
@@ -95,7 +175,10 @@ def _load_yaml(yaml_path: str) -> DictConfig:
         raise ConfigError(f"config file {yaml_path!r} must hold a mapping at the top level")
     yaml_cfg.pop("defaults", None)  # hydra's defaults list: our defaults are the dataclasses
     yaml_cfg.pop("hydra", None)
-    _check_tree(yaml_cfg, [], yaml_path)
+    moved: list[tuple[str, Any]] = []
+    _check_tree(yaml_cfg, [], yaml_path, verl_only, moved)
+    for key, value in moved:
+        OmegaConf.update(yaml_cfg, key, value, force_add=True)
     _listify(yaml_cfg)
     return yaml_cfg
 
@@ -104,10 +187,18 @@ def load_config(overrides: list[str] | None = None, yaml_path: str | None = None
     """defaults <- YAML <- overrides, validated and frozen."""
     schema = OmegaConf.structured(Config)
     _writable(schema)  # frozen dataclasses make read-only nodes; we freeze the result instead
-    layers = [_load_yaml(yaml_path)] if yaml_path else []
-    cli = parse_overrides(list(overrides or []))
-    _listify(cli)
-    layers.append(cli)
+    verl_only: list[tuple[str, str]] = []
+    layers = [_load_yaml(yaml_path, verl_only)] if yaml_path else []
+    cli = read_overrides(list(overrides or []))
+    for key in cli.deleted:  # ~key: back to the default
+        verl_only = [(k, v) for k, v in verl_only if not (k == key or k.startswith(key + "."))]
+        for layer in layers:
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(layer, parent) if parent else layer
+            if isinstance(node, DictConfig) and leaf in node:
+                node.pop(leaf)
+    _listify(cli.tree)
+    layers.append(cli.tree)
     try:
         merged = OmegaConf.merge(schema, *layers)
         OmegaConf.resolve(merged)
@@ -115,6 +206,10 @@ def load_config(overrides: list[str] | None = None, yaml_path: str | None = None
     except OmegaConfBaseException as exc:
         raise ConfigError(_format_validation_error(exc)) from None
     cfg = _freeze(cfg)
+    loaded = to_dict(cfg)
+    for key, value in verl_only + cli.verl_only:
+        check_verl_value(key, value, loaded)
+    check_schema_values(loaded, all_keys())
     validate(cfg)
     return cfg
 

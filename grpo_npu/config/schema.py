@@ -59,13 +59,15 @@ class DataConfig:
     filter_overlong_prompts: bool = False
     """Drop prompts longer than max_prompt_length before training (and report how many)."""
     filter_overlong_prompts_workers: int = 1
-    """Processes used to tokenize while filtering (verl compatibility; batched tokenizing is used)."""
+    """Threads that tokenize the prompts when the dataset is built (verl: processes of the overlong filter)."""
     truncation: str = choice("error", TRUNCATION_MODES)
     """What to do with a prompt longer than max_prompt_length: error|left|right|middle."""
     trust_remote_code: bool = False
     """Allow tokenizers with custom code."""
     dataloader_num_workers: int = 0
     """Kept for verl compatibility; prompts are tokenized up front."""
+    apply_chat_template_kwargs: Dict[str, Any] = free_dict()
+    """Extra arguments of the chat template, e.g. +data.apply_chat_template_kwargs.enable_thinking=False."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ class OverlongBufferConfig:
     penalty_factor: float = 1.0
     """Penalty at the hard limit."""
     log: bool = False
-    """Log overlong statistics."""
+    """Log the batch's mean overlong reward and overlong fraction (reward/overlong_reward/mean, reward/overlong/mean)."""
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,24 @@ class FilterGroupsConfig:
 
 
 @dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    rollout_is: Optional[str] = None
+    """Truncated IS weights pi_old / pi_rollout on the policy loss: token | sequence | null (none); needs rollout.calculate_log_probs."""
+    rollout_is_threshold: float = 2.0
+    """Upper bound the IS weights are truncated to."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the truncated IS weights by their batch mean (over tokens, or sequences for rollout_is=sequence)."""
+    rollout_rs: Optional[str] = None
+    """Rejection sampling: comma-separated token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3 (null: none)."""
+    rollout_rs_threshold: Optional[str] = None
+    """Rejection bounds, one per rollout_rs option or one for all: k1 "lower_upper" ratio bounds, k2/k3 an upper bound."""
+    bypass_mode: bool = False
+    """verl's bypass mode (rollout log-probs as the old policy): not implemented; must be False (config/support.py)."""
+    loss_type: str = "ppo_clip"
+    """verl's bypass-mode loss: only ppo_clip (the decoupled mode's loss) is implemented (config/support.py)."""
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     gamma: float = 1.0
     """Discount factor (GAE, REINFORCE++)."""
@@ -208,6 +228,8 @@ class AlgorithmConfig:
     """KL-in-reward coefficient controller."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO dynamic sampling."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Rollout-vs-training policy mismatch: truncated IS weights, rejection sampling, rollout_corr/* metrics."""
 
 
 @dataclass(frozen=True)
@@ -229,7 +251,11 @@ class TrainerConfig:
     log_val_generations: int = 0
     """Validation generations printed/logged per validation."""
     rollout_data_dir: Optional[str] = None
-    """Dump every step's prompts/responses/scores as jsonl here."""
+    """Dump every step's rollouts here: {step}.jsonl (decoded text, scores) and {step}.safetensors (ids, masks, scores, log-probs, uids)."""
+    replay_rollouts_from: Optional[str] = None
+    """Take each step's rollouts and scores from this rollout_data_dir dump instead of generating (docs/parity.md)."""
+    deterministic: bool = False
+    """Determinism preset: torch deterministic algorithms, CUBLAS_WORKSPACE_CONFIG, HCCL_DETERMINISTIC (grpo_npu/determinism.py)."""
     validation_data_dir: Optional[str] = None
     """Dump validation generations as jsonl here."""
     nnodes: int = 1
@@ -277,7 +303,9 @@ class RayInitConfig:
     num_cpus: Optional[int] = None
     """CPUs Ray may use on a local cluster (None: all)."""
     timeline_json_file: Optional[str] = None
-    """Write a Ray timeline here at the end."""
+    """Write Ray's timeline (chrome://tracing JSON) here when the run ends; the workers then run under Ray."""
+    runtime_env: Dict[str, Any] = free_dict()
+    """Ray runtime environment of the worker processes (e.g. py_executable; verl: ray_kwargs.ray_init.runtime_env)."""
 
 
 @dataclass(frozen=True)

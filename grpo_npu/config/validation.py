@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from grpo_npu.algo.names import FILTER_METRICS
+from grpo_npu.algo.names import FILTER_METRICS, ROLLOUT_IS_LEVELS, parse_rollout_rs
 from grpo_npu.config.derived import derive, require
 from grpo_npu.config.schema import Config
 from grpo_npu.errors import ConfigError
@@ -82,20 +82,7 @@ def validate(cfg: Config) -> None:
     require(0.0 <= actor.optim.lr_warmup_steps_ratio <= 1.0,
             f"actor_rollout_ref.actor.optim.lr_warmup_steps_ratio={actor.optim.lr_warmup_steps_ratio} must be in [0, 1]")
 
-    # Features whose keys verl has but this trainer does not implement: refuse loudly.
-    require(model.lora_rank == 0, "actor_rollout_ref.model.lora_rank > 0: LoRA is not implemented; use 0")
-    require(not model.use_liger, "actor_rollout_ref.model.use_liger=True: Liger kernels are not used; "
-            "use actor_rollout_ref.model.use_fused_kernels=True for grpo_npu.ops")
-    require(not model.enable_activation_offload,
-            "actor_rollout_ref.model.enable_activation_offload=True is not implemented; use False")
-    for key, sp in [("actor_rollout_ref.actor", actor.ulysses_sequence_parallel_size),
-                    ("actor_rollout_ref.ref", arr.ref.ulysses_sequence_parallel_size),
-                    ("critic", cfg.critic.ulysses_sequence_parallel_size)]:
-        require(sp == 1, f"{key}.ulysses_sequence_parallel_size={sp}: sequence parallelism is not implemented; use 1")
-    require(not cfg.reward_model.enable, "reward_model.enable=True: model-based rewards are not implemented; "
-            "use rule rewards (reward_model.reward_manager) or custom_reward_function.path")
-    require(tr.default_hdfs_dir is None, "trainer.default_hdfs_dir: HDFS upload is not implemented; leave it null")
-    require(arr.hybrid_engine, "actor_rollout_ref.hybrid_engine=False: only the colocated hybrid engine is implemented")
+    # Keys kept for verl's command lines that act on one value only: grpo_npu/config/support.py (RULES).
     require(alg.kl_penalty not in ("full",), "algorithm.kl_penalty=full is not defined for token log-probs")
 
     # DAPO
@@ -105,6 +92,7 @@ def validate(cfg: Config) -> None:
                 f"algorithm.filter_groups.metric={fg.metric!r} must be one of {', '.join(FILTER_METRICS)} "
                 "when algorithm.filter_groups.enable=True")
         require(fg.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches must be >= 0 (0: unlimited)")
+    _check_rollout_correction(cfg)
     ob = cfg.reward_model.overlong_buffer
     if ob.enable:
         require(cfg.reward_model.reward_manager == "dapo",
@@ -120,3 +108,24 @@ def validate(cfg: Config) -> None:
             "set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz=True with "
             "ppo_max_token_len_per_gpu)")
     derive(cfg)  # the size arithmetic raises ConfigError with the explanation
+
+
+def _check_rollout_correction(cfg: Config) -> None:
+    """algorithm.rollout_correction: accepted values, and the rollout log-probs it needs."""
+    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    require(rc.rollout_is in (None,) + ROLLOUT_IS_LEVELS,
+            f"{key}.rollout_is={rc.rollout_is!r} is not accepted; choose one of: {', '.join(ROLLOUT_IS_LEVELS)}, null")
+    require(rc.rollout_is_threshold > 0, f"{key}.rollout_is_threshold={rc.rollout_is_threshold} must be > 0")
+    require(rc.rollout_is is not None or not rc.rollout_is_batch_normalize,
+            f"{key}.rollout_is_batch_normalize=True needs {key}.rollout_is=token or sequence")
+    require(rc.rollout_rs is not None or rc.rollout_rs_threshold is None,
+            f"{key}.rollout_rs_threshold={rc.rollout_rs_threshold!r} needs {key}.rollout_rs (it is unused without it)")
+    if rc.rollout_rs is not None:
+        try:
+            parse_rollout_rs(rc.rollout_rs, rc.rollout_rs_threshold)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if rc.rollout_is is not None or rc.rollout_rs is not None:
+        require(cfg.actor_rollout_ref.rollout.calculate_log_probs,
+                f"{key}.rollout_is={rc.rollout_is} / rollout_rs={rc.rollout_rs} needs the engine's log-probs: "
+                "set actor_rollout_ref.rollout.calculate_log_probs=True")

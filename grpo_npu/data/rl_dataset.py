@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,9 +24,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from grpo_npu.config.verl_keys import verl_keys
 from grpo_npu.data.names import TRUNCATION_MODES
 
 logger = logging.getLogger(__name__)
+# verl's media columns (images, videos, audios): data.image_key etc. are accepted at these defaults only
+VERL_MEDIA_COLUMNS = {k: verl_keys()[k].default for k in ("data.image_key", "data.video_key", "data.audio_key")}
 
 
 @dataclass
@@ -141,6 +145,9 @@ class RLDataset:
         return_raw_chat: bool = False,
         return_full_prompt: bool = False,
         reward_fn_key: str = "data_source",
+        apply_chat_template_kwargs: dict | None = None,
+        media_columns: Sequence[str] = (),
+        tokenize_workers: int = 1,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r}; expected one of {TRUNCATION_MODES}")
@@ -156,6 +163,9 @@ class RLDataset:
         self.return_raw_chat = return_raw_chat
         self.return_full_prompt = return_full_prompt
         self.reward_fn_key = reward_fn_key
+        self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})
+        self.media_columns = tuple(media_columns)
+        self.tokenize_workers = max(1, tokenize_workers)
 
         rows, origins = self._read_rows()
         messages = [_check_chat(row[prompt_key], where, prompt_key) for row, where in zip(rows, origins)]
@@ -194,6 +204,16 @@ class RLDataset:
         self._ground_truths = [(rows[i].get("reward_model") or {}).get("ground_truth") for i in keep]
         self._extra_infos = [rows[i].get("extra_info") or {} for i in keep]
 
+    @classmethod
+    def from_config(cls, files: Sequence, tokenizer, data: Any) -> "RLDataset":
+        """The dataset the config's ``data`` section describes (verl's key names)."""
+        return cls(files, tokenizer, prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length,
+                   truncation=data.truncation, filter_overlong_prompts=data.filter_overlong_prompts,
+                   return_raw_chat=data.return_raw_chat, return_full_prompt=data.return_full_prompt,
+                   reward_fn_key=data.reward_fn_key, apply_chat_template_kwargs=dict(data.apply_chat_template_kwargs),
+                   media_columns=[VERL_MEDIA_COLUMNS[k] for k in sorted(VERL_MEDIA_COLUMNS)],
+                   tokenize_workers=data.filter_overlong_prompts_workers)
+
     def _read_rows(self) -> tuple[list[dict], list[str]]:
         """All rows of all files, and a "file row k" label for each (for error messages)."""
         rows, origins = [], []
@@ -205,6 +225,10 @@ class RLDataset:
             for column, key in ((self.prompt_key, "data.prompt_key"), (self.reward_fn_key, "data.reward_fn_key")):
                 if column not in table.column_names:
                     raise ValueError(f"{path} has no {column!r} column ({key}); its columns are {table.column_names}")
+            for column in self.media_columns:  # verl's image/video/audio columns (data.image_key, ...)
+                if column in table.column_names and table.column(column).null_count < table.num_rows:
+                    raise ValueError(f"{path} holds {column!r} media (data.{column[:-1]}_key): vision-language data is "
+                                     "not supported by grpo_npu; use text-only prompts")
             file_rows = table.to_pylist()
             _check_ground_truth(file_rows, path)
             rows += file_rows
@@ -217,8 +241,18 @@ class RLDataset:
         """Render every conversation with the chat template and tokenize them in one batch."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template; RL prompts are chat lists and need one")
-        texts = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return texts, self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        texts = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                   **self.apply_chat_template_kwargs)
+        n = min(self.tokenize_workers, len(texts))
+        if n <= 1:
+            return texts, self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        # data.filter_overlong_prompts_workers: chunks tokenized on threads (fast tokenizers release the GIL)
+        bounds = np.linspace(0, len(texts), n + 1).astype(int)
+        chunks = [texts[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        with ThreadPoolExecutor(n) as pool:
+            parts = pool.map(lambda c: self.tokenizer(c, add_special_tokens=False, return_attention_mask=False)["input_ids"],
+                             chunks)
+            return texts, [ids for part in parts for ids in part]
 
     def __len__(self) -> int:
         return len(self._token_ids)

@@ -207,16 +207,9 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     parser.add_argument("--sft_size", type=int, default=None, help="SFT rows (default: train_size)")
     parser.add_argument("--no_sft", action="store_true", help="skip sft_train/sft_test.parquet")
     args = parser.parse_args(argv)
-    files = write_synthetic(
-        args.out_dir,
-        train_size=args.train_size,
-        test_size=args.test_size,
-        difficulty=args.difficulty,
-        seed=args.seed,
-        data_source=args.data_source,
-        sft_size=args.sft_size,
-        write_sft=not args.no_sft,
-    )
+    options = vars(args)  # the remaining flags are named as write_synthetic's arguments
+    out_dir, no_sft = options.pop("out_dir"), options.pop("no_sft")
+    files = write_synthetic(out_dir, write_sft=not no_sft, **options)
     for name, path in files.items():
         print(f"{name}: {path}")
     return files

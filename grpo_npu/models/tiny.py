@@ -156,31 +156,16 @@ def train_tokenizer(vocab_size: int = 1024, seed: int = 1234):
 # --------------------------------------------------------------------------------------------
 # Model
 # --------------------------------------------------------------------------------------------
+# TinySpec fields that are not Qwen2Config arguments: the build's own settings.
+_BUILD_ONLY_FIELDS = ("name", "tokenizer_vocab_size", "seed")
+
+
 def make_config(spec: TinySpec, tokenizer=None):
-    kwargs = {}
+    """The Qwen2Config of ``spec`` (every model field of the spec, fp32, no sliding window)."""
+    shape = {k: v for k, v in dataclasses.asdict(spec).items() if k not in _BUILD_ONLY_FIELDS}
     if tokenizer is not None:
-        kwargs = dict(
-            bos_token_id=None,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    return Qwen2Config(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        rope_theta=spec.rope_theta,
-        rms_norm_eps=spec.rms_norm_eps,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        initializer_range=spec.initializer_range,
-        hidden_act="silu",
-        use_sliding_window=False,
-        torch_dtype="float32",
-        **kwargs,
-    )
+        shape.update(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return Qwen2Config(hidden_act="silu", use_sliding_window=False, torch_dtype="float32", **shape)
 
 
 def default_cache_dir() -> Path:

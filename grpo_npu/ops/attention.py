@@ -80,17 +80,9 @@ def _sdpa_bsnd(q, k, v, causal: bool, attn_mask: torch.Tensor | None, scale: flo
     return out.transpose(1, 2)  # (B, Sq, Nq, D)
 
 
-def attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool,
-    attn_mask: torch.Tensor | None,
-    q_offsets: list[int] | None,
-    k_offsets: list[int] | None,
-    scale: float,
-) -> torch.Tensor:
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                        attn_mask: torch.Tensor | None, q_offsets: list[int] | None, k_offsets: list[int] | None,
+                        scale: float) -> torch.Tensor:
     """torch SDPA per batch (padded) or per sequence (varlen)."""
     if q_offsets is None:
         return _sdpa_bsnd(q, k, v, causal, attn_mask, scale)
@@ -112,17 +104,9 @@ def _compressed_causal_mask(device: torch.device) -> torch.Tensor:
     return mask
 
 
-def _attention_npu(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool,
-    attn_mask: torch.Tensor | None,
-    q_offsets: list[int] | None,
-    k_offsets: list[int] | None,
-    scale: float,
-) -> torch.Tensor:
+def _attention_npu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                   attn_mask: torch.Tensor | None, q_offsets: list[int] | None, k_offsets: list[int] | None,
+                   scale: float) -> torch.Tensor:
     # Every argument is named in the one call below, so tests/ops/test_npu_schemas.py can check the
     # call against the schema of each supported torch_npu.
     layout, seq_qlen, seq_kvlen = "BSND", None, None

@@ -8,13 +8,8 @@ from grpo_npu.reward.call import RewardFunctionBroken, RewardFunctionError, TooM
 from grpo_npu.reward.custom import FileFunction, load_function
 from grpo_npu.reward.parallel import Scorer
 from grpo_npu.reward.sandbox import SandboxSettings
-from grpo_npu.reward.score import (
-    SYNTHETIC_DATA_SOURCE,
-    compute_score,
-    known_data_sources,
-    make_compute_score,
-    register_scorer,
-)
+from grpo_npu.reward.score import (SYNTHETIC_DATA_SOURCE, compute_score, known_data_sources, make_compute_score,
+                                   register_scorer)
 
 __all__ = [
     "FileFunction", "RewardFunctionBroken", "RewardFunctionError", "SYNTHETIC_DATA_SOURCE", "SandboxSettings", "Scorer",

@@ -64,14 +64,8 @@ def answers_match(answer: str, ground_truth, strict_string: bool = False) -> boo
     return answer.replace(",", "").strip() == truth.replace(",", "").strip()
 
 
-def score_details(
-    solution_str: str,
-    ground_truth,
-    method: str = "strict",
-    format_score: float = 0.0,
-    score: float = 1.0,
-    strict_string: bool = False,
-) -> dict:
+def score_details(solution_str: str, ground_truth, method: str = "strict", format_score: float = 0.0,
+                  score: float = 1.0, strict_string: bool = False) -> dict:
     """{"score", "acc" (1.0 right / 0.0 not), "pred" (the extracted answer or None)}."""
     answer = extract_solution(solution_str, method=method, strict_string=strict_string)
     if answer is None:
@@ -80,13 +74,7 @@ def score_details(
     return {"score": float(score if correct else format_score), "acc": float(correct), "pred": answer}
 
 
-def compute_score(
-    solution_str: str,
-    ground_truth,
-    method: str = "strict",
-    format_score: float = 0.0,
-    score: float = 1.0,
-    strict_string: bool = False,
-) -> float:
+def compute_score(solution_str: str, ground_truth, method: str = "strict", format_score: float = 0.0,
+                  score: float = 1.0, strict_string: bool = False) -> float:
     """The gsm8k reward of one response."""
     return score_details(solution_str, ground_truth, method, format_score, score, strict_string)["score"]

@@ -11,7 +11,8 @@ with no token carries none (its score is still reported).
 
 Per-row info (``RewardOutput.extra``, one dict per row): ``score`` (the scorer's), ``acc`` (the
 scorer's, else the score, as verl's DAPO manager does), ``pred`` (the extracted answer, or None),
-any other keys the scorer returned, and for dapo ``overlong_reward`` and ``overlong``.
+any other keys the scorer returned, and for dapo ``overlong_reward`` and ``overlong`` (their batch means
+are metrics with ``reward_model.overlong_buffer.log``).
 
 Scoring runs through :class:`grpo_npu.reward.parallel.Scorer`: custom functions in the reward sandbox
 (per-row timeout, worker processes a crash cannot take down), bounded built-in scorers in this process.
@@ -105,8 +106,13 @@ class NaiveRewardManager:
         token_level_scores = torch.zeros(B, T, dtype=torch.float32)
         has_token = last >= 0
         token_level_scores[has_token.nonzero().squeeze(1), last[has_token]] = rewards[has_token]
-        metrics = {"reward/timeouts": float(scored.timeouts), "reward/errors": float(scored.errors)}
+        metrics = {"reward/timeouts": float(scored.timeouts), "reward/errors": float(scored.errors),
+                   **self.batch_metrics(extra)}
         return RewardOutput(token_level_scores=token_level_scores, extra=extra, metrics=metrics)
+
+    def batch_metrics(self, extra: list[dict]) -> dict[str, float]:
+        """Metrics of one scored batch beyond the failure counts (none for naive)."""
+        return {}
 
     def shape_rewards(self, scores: torch.Tensor, lengths: torch.Tensor, extra: list[dict]) -> torch.Tensor:
         """(B,) final reward from (B,) scores and response lengths; may add per-row info."""
@@ -123,80 +129,61 @@ class NaiveRewardManager:
         self.close()
 
 
+@dataclass(frozen=True)
+class OverlongShaping:
+    """DAPO's overlong penalty: ``reward_model.overlong_buffer.{len,penalty_factor}`` and the response budget."""
+
+    max_response_length: int
+    buffer_len: int
+    penalty_factor: float = 1.0
+    log: bool = False  # reward_model.overlong_buffer.log: the batch means as metrics
+
+
 class DAPORewardManager(NaiveRewardManager):
-    """reward = score + overlong penalty (when the buffer is enabled)."""
+    """reward = score + overlong penalty (when ``overlong`` is given)."""
 
     name = "dapo"
 
-    def __init__(
-        self,
-        tokenizer,
-        compute_score: Callable | None = None,
-        *,
-        num_workers: int = 0,
-        sandbox: SandboxSettings | None = None,
-        max_response_length: int | None = None,
-        overlong_buffer_enable: bool = False,
-        overlong_buffer_len: int = 0,
-        overlong_penalty_factor: float = 1.0,
-    ) -> None:
-        super().__init__(tokenizer, compute_score, num_workers=num_workers, sandbox=sandbox)
-        if overlong_buffer_enable and max_response_length is None:
-            raise ValueError("reward_model.overlong_buffer.enable=True needs data.max_response_length")
-        self.overlong_enable = overlong_buffer_enable
-        self.max_response_length = max_response_length
-        self.overlong_buffer_len = overlong_buffer_len
-        self.overlong_penalty_factor = overlong_penalty_factor
-        if overlong_buffer_enable:  # validate the buffer settings now rather than at the first batch
+    def __init__(self, tokenizer, compute_score: Callable | None = None, *,
+                 overlong: OverlongShaping | None = None, **options) -> None:
+        super().__init__(tokenizer, compute_score, **options)
+        self.overlong = overlong
+        if overlong is not None:  # validate the buffer settings now rather than at the first batch
             self.shape_rewards(torch.zeros(1), torch.zeros(1), [{}])
 
     def shape_rewards(self, scores: torch.Tensor, lengths: torch.Tensor, extra: list[dict]) -> torch.Tensor:
-        if not self.overlong_enable:
+        if self.overlong is None:
             return scores
-        penalty = overlong_penalty(
-            lengths,
-            max_response_length=self.max_response_length,
-            buffer_len=self.overlong_buffer_len,
-            penalty_factor=self.overlong_penalty_factor,
-        )  # (B,) <= 0
+        o = self.overlong
+        penalty = overlong_penalty(lengths, max_response_length=o.max_response_length, buffer_len=o.buffer_len,
+                                   penalty_factor=o.penalty_factor)  # (B,) <= 0
         for info, p in zip(extra, penalty.tolist()):
             info["overlong_reward"] = p
             info["overlong"] = p < 0
         return scores + penalty
 
+    def batch_metrics(self, extra: list[dict]) -> dict[str, float]:
+        """reward_model.overlong_buffer.log: the batch's mean overlong reward and overlong fraction."""
+        if self.overlong is None or not self.overlong.log or not extra:
+            return {}
+        return {"reward/overlong_reward/mean": sum(e["overlong_reward"] for e in extra) / len(extra),
+                "reward/overlong/mean": sum(bool(e["overlong"]) for e in extra) / len(extra)}
+
 
 REWARD_MANAGERS = {cls.name: cls for cls in (NaiveRewardManager, DAPORewardManager)}
 
 
-def get_reward_manager(
-    name: str,
-    *,
-    tokenizer,
-    compute_score: Callable | None = None,
-    num_workers: int = 0,
-    sandbox: SandboxSettings | None = None,
-    max_response_length: int | None = None,
-    overlong_buffer_enable: bool = False,
-    overlong_buffer_len: int = 0,
-    overlong_penalty_factor: float = 1.0,
-) -> NaiveRewardManager:
+def get_reward_manager(name: str, *, tokenizer, compute_score: Callable | None = None,
+                       overlong: OverlongShaping | None = None, **options) -> NaiveRewardManager:
     """The reward manager ``name`` (reward_model.reward_manager): naive | dapo.
 
-    ``sandbox``: timeout, fallback score, failure limit and worker memory limit (None: the defaults).
+    ``options``: ``num_workers`` and ``sandbox`` (timeout, fallback score, failure limit and worker memory
+    limit; None: the defaults), as :class:`NaiveRewardManager` takes them.
     """
     if name not in REWARD_MANAGERS:
         raise ValueError(f"reward_model.reward_manager={name!r}; known: {sorted(REWARD_MANAGERS)}")
     if name == "naive":
-        if overlong_buffer_enable:
+        if overlong is not None:
             raise ValueError("reward_model.overlong_buffer.enable=True needs reward_model.reward_manager=dapo")
-        return NaiveRewardManager(tokenizer, compute_score, num_workers=num_workers, sandbox=sandbox)
-    return DAPORewardManager(
-        tokenizer,
-        compute_score,
-        num_workers=num_workers,
-        sandbox=sandbox,
-        max_response_length=max_response_length,
-        overlong_buffer_enable=overlong_buffer_enable,
-        overlong_buffer_len=overlong_buffer_len,
-        overlong_penalty_factor=overlong_penalty_factor,
-    )
+        return NaiveRewardManager(tokenizer, compute_score, **options)
+    return DAPORewardManager(tokenizer, compute_score, overlong=overlong, **options)

@@ -4,6 +4,8 @@ Usage::
 
     python -m grpo_npu.tools.compare_runs RUN_A RUN_B [--mode rl|sft] [--reward-key KEY]
         [--loss-key KEY] [--throughput-steps N] [--target-pct X] [--json PATH] [--plot PATH | --no-plot]
+    python -m grpo_npu.tools.compare_runs RUN_A RUN_B --mode train [--rtol R] [--atol A]   (compare_train.py:
+        the training side of two replays of one rollout dump, docs/parity.md)
 
 Run format. RUN_A / RUN_B are run directories holding ``metrics.jsonl``, or paths to such a jsonl
 file. Each non-blank line is one JSON object with an integer ``"step"`` and metric names as the
@@ -52,9 +54,9 @@ from statistics import pstdev
 from typing import Any, Sequence
 
 from grpo_npu.io import write_atomic
+from grpo_npu.tools import compare_train
+from grpo_npu.tools.run_metrics import RUN_FILE, STEP_KEY, load_metrics, metric_curve, resolve_metrics_file
 
-RUN_FILE = "metrics.jsonl"
-STEP_KEY = "step"
 REWARD_KEY = "critic/score/mean"
 SFT_LOSS_KEY = "train/loss"
 THROUGHPUT_KEY = "perf/throughput"
@@ -78,62 +80,6 @@ EXIT_CODES_HELP = (
 
 class PlotUnavailable(RuntimeError):
     """matplotlib is not installed, so the curve plot cannot be drawn."""
-
-
-# --------------------------------------------------------------------------------------------
-# Reading runs
-# --------------------------------------------------------------------------------------------
-def resolve_metrics_file(run: str | os.PathLike) -> Path:
-    """A run directory -> its metrics.jsonl; a file path is returned as is."""
-    path = Path(run)
-    if path.is_dir():
-        path = path / RUN_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"run directory {run} has no {RUN_FILE}")
-        return path
-    if not path.is_file():
-        raise FileNotFoundError(f"run {run} is neither a run directory nor a metrics jsonl file")
-    return path
-
-
-def load_metrics(run: str | os.PathLike) -> dict[int, dict[str, Any]]:
-    """Read a run's metrics jsonl into {step: {metric: value}}; later lines win for a repeated key."""
-    path = resolve_metrics_file(run)
-    steps: dict[int, dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            step = row.get(STEP_KEY)
-            if isinstance(step, bool) or not isinstance(step, int):
-                raise ValueError(f"{path}:{lineno}: expected an integer {STEP_KEY!r}, got {step!r}")
-            steps.setdefault(step, {}).update((k, v) for k, v in row.items() if k != STEP_KEY)
-    if not steps:
-        raise ValueError(f"{path}: no metric rows")
-    return dict(sorted(steps.items()))
-
-
-def metric_curve(metrics: dict[int, dict[str, Any]], key: str, *, label: str) -> dict[int, float]:
-    """{step: value} of one metric; raises ValueError if it is never logged or not a finite number."""
-    curve: dict[int, float] = {}
-    for step, row in metrics.items():
-        if key not in row:
-            continue
-        value = row[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"{label}: step {step}: {key!r} must be a finite number, got {value!r}")
-        curve[step] = float(value)
-    if not curve:
-        known = sorted({k for row in metrics.values() for k in row})
-        shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
-        raise ValueError(f"{label}: metric {key!r} is never logged (metrics present: {shown or 'none'})")
-    return curve
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,8 +239,7 @@ def compare_runs(
         ratio = tp_a / tp_b
 
     return ParityReport(
-        run_a=str(path_a),
-        run_b=str(path_b),
+        run_a=str(path_a), run_b=str(path_b),
         mode=mode,
         metric_key=key,
         common_steps=common,
@@ -303,16 +248,12 @@ def compare_runs(
         max_abs_diff=max(abs(x - y) for x, y in zip(a, b)),
         baseline_mean_abs=sum(abs(y) for y in b) / len(b),
         target_pct=target,
-        std_a=std_a,
-        std_b=std_b,
+        std_a=std_a, std_b=std_b,
         inconclusive_reason=no_signal_reason(len(common), std_a, std_b, key),
-        throughput_a=tp_a,
-        throughput_b=tp_b,
+        throughput_a=tp_a, throughput_b=tp_b,
         throughput_ratio=ratio,
-        throughput_steps_a=steps_tp_a,
-        throughput_steps_b=steps_tp_b,
-        curve_a=curve_a,
-        curve_b=curve_b,
+        throughput_steps_a=steps_tp_a, throughput_steps_b=steps_tp_b,
+        curve_a=curve_a, curve_b=curve_b,
     )
 
 
@@ -404,7 +345,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_a", help=f"run directory (with {RUN_FILE}) or metrics jsonl path")
     p.add_argument("run_b", help="the baseline run: directory or metrics jsonl path")
-    p.add_argument("--mode", choices=MODES, default="rl", help="rl: reward MAE (<= 4%%); sft: loss MAE (<= 2%%)")
+    p.add_argument("--mode", choices=(*MODES, compare_train.MODE), default="rl",
+                   help="rl: reward MAE (<= 4%%); sft: loss MAE (<= 2%%); train: losses of two replays (--mode train -h)")
     p.add_argument("--reward-key", default=REWARD_KEY, help=f"metric compared in rl mode (default {REWARD_KEY})")
     p.add_argument("--loss-key", default=SFT_LOSS_KEY, help=f"metric compared in sft mode (default {SFT_LOSS_KEY})")
     p.add_argument("--throughput-steps", type=int, default=THROUGHPUT_STEPS,
@@ -418,6 +360,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if compare_train.requested(argv):  # the training side of two replays: grpo_npu/tools/compare_train.py
+        return compare_train.main(argv)
     args = _parser().parse_args(argv)
     try:
         report = compare_runs(

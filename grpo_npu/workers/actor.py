@@ -42,12 +42,8 @@ class Policy:
             raise ValueError(
                 f"actor_rollout_ref.rollout.temperature={temperature}: log-probs for training need a temperature > 0"
             )
-        self.module = module
-        self.dev = dev
-        self.remove_padding = remove_padding
-        self.share_prefix = share_prefix
-        self.temperature = temperature
-        self.param_offload = param_offload
+        self.module, self.dev, self.temperature = module, dev, temperature
+        self.remove_padding, self.share_prefix, self.param_offload = remove_padding, share_prefix, param_offload
         if param_offload and dev.is_accelerator:
             fsdp.move_model(module, "cpu")
 
@@ -129,7 +125,8 @@ class Actor(Policy):
         if cfg.use_kl_loss and batch.ref_logp is None:
             raise ValueError("update_actor: actor.use_kl_loss=True needs ref_logp in the batch")
         loss_fn = functools.partial(self.micro_loss, old_logp_from_update=old_logp_from_update)
-        stats = self.loop.run(batch, loss_fn, epochs=cfg.ppo_epochs, mini_batch_size=d.mini_batch_responses_per_rank)
+        stats = self.loop.run(batch, loss_fn, epochs=cfg.ppo_epochs, mini_batch_size=d.mini_batch_responses_per_rank,
+                              loss_tokens=self.loss_tokens)
         metrics = {
             "actor/pg_loss": stats.per_step("pg_loss"),
             "actor/pg_clipfrac": stats.per_token("pg_clipfrac"),
@@ -142,6 +139,8 @@ class Actor(Policy):
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
         if cfg.entropy_coeff != 0 or old_logp_from_update:
             metrics["actor/entropy"] = stats.per_step("entropy")
+        if cfg.mask_truncated_completions:  # rows left out / rows seen, over the same micro-batches
+            metrics["response_length/truncated_masked_frac"] = stats.sums["truncated"] / max(stats.sums["rows"], 1.0)
         if old_logp_from_update and batch.rollout_logp is not None:
             metrics["rollout/logp_diff_mean"] = stats.per_token("logp_diff")
             metrics["rollout/logp_diff_max"] = stats.maxes["logp_diff"]
@@ -150,24 +149,28 @@ class Actor(Policy):
     def micro_loss(self, micro: RolloutBatch, agg: dict, old_logp_from_update: bool = False) -> MicroLoss:
         """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, normalised by ``agg``'s global counts.
 
+        The loss sees ``micro.loss_tokens()`` and, when the trainer set them, the rollout-correction IS weights.
         Metric parts: the mini-batch losses (pg_loss, kl_loss, entropy) and token-weighted sums of the
         token means (pg_clipfrac, pg_clipfrac_lower, ppo_kl); with old log-probs from the update and
         rollout log-probs, the sum and maximum of |rollout - old log-prob| over valid tokens.
         """
         cfg, d = self.cfg, self.derived
-        mask = micro.response_mask  # (b, T)
+        mask = self.loss_tokens(micro)  # (b, T): less rollout-rejected tokens and, if asked, truncated rows
         with_entropy = cfg.entropy_coeff != 0 or old_logp_from_update  # actor/entropy then comes from this forward
         logp, entropy = self.forward(micro, with_entropy)  # (b, T) each
         old_logp = logp.detach() if old_logp_from_update else micro.old_logp  # (b, T): ratio exactly 1 from the update
         pg_loss, m = self.policy_loss_fn(
             logp, old_logp, micro.advantages, mask, clip_low=d.clip_low, clip_high=d.clip_high,
-            clip_c=cfg.clip_ratio_c, agg_mode=cfg.loss_agg_mode, **agg,
+            clip_c=cfg.clip_ratio_c, agg_mode=cfg.loss_agg_mode, rollout_is_weights=micro.rollout_is_weights, **agg,
         )
         n = mask.bool().sum()
         loss = pg_loss
         sums = {"pg_loss": pg_loss, "pg_clipfrac": m["pg_clipfrac"] * n,
                 "pg_clipfrac_lower": m["pg_clipfrac_lower"] * n, "ppo_kl": m["ppo_kl"] * n}
         maxes = {}
+        if cfg.mask_truncated_completions:
+            sums["truncated"] = truncated_rows(micro).sum().float()
+            sums["rows"] = torch.tensor(float(len(micro)), device=mask.device)
         if cfg.use_kl_loss:
             kl = kl_lib.kl_penalty(logp, micro.ref_logp, cfg.kl_loss_type)
             kl_loss = losses.agg_loss(kl, mask, cfg.loss_agg_mode, **agg)
@@ -180,7 +183,26 @@ class Actor(Policy):
             if cfg.entropy_coeff != 0:
                 loss = loss - cfg.entropy_coeff * ent_loss
         if old_logp_from_update and micro.rollout_logp is not None:
-            diff = logp_abs_diff(micro.rollout_logp, old_logp, mask)  # (n,) valid tokens
+            diff = logp_abs_diff(micro.rollout_logp, old_logp, micro.response_mask)  # (n,) generated tokens
             sums["logp_diff"] = diff.sum()
             maxes["logp_diff"] = diff.max() if diff.numel() else diff.new_zeros(())
         return MicroLoss(loss, sums, maxes)
+
+    def loss_tokens(self, batch: RolloutBatch) -> torch.Tensor:
+        """(B, T) the tokens the losses count: ``batch.loss_tokens()`` (the response mask less rollout-rejected
+        tokens), less the rows cut at the length limit when ``actor.mask_truncated_completions`` is on (their
+        tokens then weigh nothing, as if the rows were absent)."""
+        mask = batch.loss_tokens()
+        if not self.cfg.mask_truncated_completions:
+            return mask
+        keep = ~truncated_rows(batch)  # (B,)
+        return mask * keep.to(mask.device, mask.dtype)[:, None]
+
+
+def truncated_rows(batch: RolloutBatch) -> torch.Tensor:
+    """(B,) bool on the response mask's device: the responses the engine stopped at the length limit
+    (stop_reason 'length': no eos)."""
+    if len(batch.stop_reason) != len(batch):
+        raise ValueError("actor_rollout_ref.actor.mask_truncated_completions=True needs each response's stop_reason "
+                         f"('stop' | 'length'); this batch has {len(batch.stop_reason)} for {len(batch)} rows")
+    return torch.tensor([r == "length" for r in batch.stop_reason], device=batch.response_mask.device)

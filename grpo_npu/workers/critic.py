@@ -86,8 +86,8 @@ class Critic:
     def micro_loss(self, micro: RolloutBatch, agg: dict) -> MicroLoss:
         """Clipped value loss of one micro-batch (global normalisation by ``agg``); token-weighted metric sums."""
         values = self.forward(micro)  # (b, T)
-        loss, m = losses.value_loss(values, micro.values, micro.returns, micro.response_mask,
+        loss, m = losses.value_loss(values, micro.values, micro.returns, micro.loss_tokens(),
                                     clip_range=self.cfg.cliprange_value, agg_mode=self.agg_mode, **agg)
-        n = micro.response_mask.bool().sum()
+        n = micro.loss_tokens().bool().sum()
         sums = {"vf_loss": loss, "vf_clipfrac": m["vf_clipfrac"] * n, "vpred_mean": m["vpred_mean"] * n}
         return MicroLoss(loss, sums)

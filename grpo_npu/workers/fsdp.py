@@ -73,9 +73,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(dev: Device, *, rank: int, world_size: int, master_addr: str, master_port: int) -> bool:
+def init_distributed(dev: Device, *, rank: int, world_size: int, master_addr: str, master_port: int,
+                     timeout: Any = None) -> bool:
     """Initialise the default process group with the device layer's backend; False if one was already up.
-    On accelerators it is mixed (``cpu:gloo,npu:hccl``): offloaded shards meet collectives as CPU tensors."""
+    On accelerators it is mixed (``cpu:gloo,npu:hccl``); ``timeout`` (a timedelta): actor_rollout_ref.nccl_timeout."""
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(
@@ -84,9 +85,8 @@ def init_distributed(dev: Device, *, rank: int, world_size: int, master_addr: st
             )
         return False
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-    dist.init_process_group(
-        backend=dev.dist_backend(mixed=True), init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group(backend=dev.dist_backend(mixed=True), init_method=f"tcp://{master_addr}:{master_port}",
+                            rank=rank, world_size=world_size, **({"timeout": timeout} if timeout else {}))
     return True
 
 

@@ -24,6 +24,7 @@ traceback, as soon as the first rank fails (the other ranks may be stuck in a co
 from __future__ import annotations
 
 import abc
+import datetime
 import logging
 import os
 import signal
@@ -52,8 +53,9 @@ CLOSE_TIMEOUT_S = 15.0
 class RankHost:
     """One rank: joins the process group, builds the worker, runs its methods by name."""
 
-    def __init__(self, rank: int, world_size: int, device_kind: str):
+    def __init__(self, rank: int, world_size: int, device_kind: str, pg_timeout_s: float | None = None):
         self.rank = rank
+        self.pg_timeout_s = pg_timeout_s  # a collective waits this long before the process group fails
         self.world_size = world_size
         self.device_kind = device_kind
         self.worker: Any = None
@@ -74,8 +76,9 @@ class RankHost:
             dev = get_device(self.device_kind)
             # vLLM's external launcher picks its device from LOCAL_RANK: the index among the visible devices
             os.environ["LOCAL_RANK"] = str(dev.bind_local_rank(local_rank))
+            timeout = datetime.timedelta(seconds=self.pg_timeout_s) if self.pg_timeout_s else None
             self.owns_process_group = init_distributed(dev, rank=self.rank, world_size=self.world_size,
-                                                       master_addr=master_addr, master_port=master_port)
+                                                       master_addr=master_addr, master_port=master_port, timeout=timeout)
             self.worker = worker_cls(*args, **kwargs)
         except Exception as exc:
             raise WorkerError.from_exception(self.rank, f"{worker_cls.__name__}.__init__", exc) from None
@@ -180,9 +183,10 @@ class WorkerGroup(abc.ABC):
 class LocalGroup(WorkerGroup):
     """A single rank in this process, behind the same interface (no Ray)."""
 
-    def __init__(self, worker_cls: type, *, device_kind: str = "auto", args: tuple = (), kwargs: dict | None = None):
+    def __init__(self, worker_cls: type, *, device_kind: str = "auto", args: tuple = (), kwargs: dict | None = None,
+                 pg_timeout_s: float | None = None):
         self.world_size = 1
-        self.host = RankHost(0, 1, device_kind)
+        self.host = RankHost(0, 1, device_kind, pg_timeout_s)
         addr, port = self.host.address()
         self.host.setup(addr, port, 0, worker_cls, args, kwargs or {})
         self.closed = False
@@ -217,6 +221,9 @@ class RayGroup(WorkerGroup):
         kwargs: dict | None = None,
         num_cpus_per_worker: float = 1,
         ray_num_cpus: int | None = None,
+        ray_runtime_env: dict | None = None,
+        pg_timeout_s: float | None = None,
+        timeline_json_file: str | None = None,
         start_timeout_s: float = 300,
     ):
         if world_size < 1 or nnodes < 1 or world_size % nnodes:
@@ -224,6 +231,7 @@ class RayGroup(WorkerGroup):
                              f"over {nnodes}")
         self.world_size = world_size
         self.closed = False
+        self.timeline_json_file = timeline_json_file  # ray.timeline() written here on close
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
             address = os.environ.get("RAY_ADDRESS")
@@ -234,8 +242,9 @@ class RayGroup(WorkerGroup):
             # checkpoints and shuts the cluster down itself; the reaper covers a driver that dies instead.
             unblock = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             try:
+                runtime_env = {k: v for k, v in (ray_runtime_env or {}).items() if v is not None} or None
                 ray.init(address=address or "local", num_cpus=None if address else ray_num_cpus,
-                         ignore_reinit_error=True, log_to_driver=True)
+                         runtime_env=runtime_env, ignore_reinit_error=True, log_to_driver=True)
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, unblock)
             self.reaper = start_reaper(os.getpid(), ray_node_pids())  # the cluster dies with this driver
@@ -264,7 +273,7 @@ class RayGroup(WorkerGroup):
                 **options,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=bundles[r // per_node]),
-            ).remote(r, world_size, dev.kind)
+            ).remote(r, world_size, dev.kind, pg_timeout_s)
             for r in range(world_size)
         ]
         try:
@@ -320,6 +329,9 @@ class RayGroup(WorkerGroup):
             refs = [a.shutdown.remote() for a in getattr(self, "actors", [])]
             if refs:
                 ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            if self.timeline_json_file:  # ray_init.timeline_json_file: the run's tasks, for chrome://tracing
+                ray.timeline(filename=self.timeline_json_file)
+                log.info("Ray timeline written to %s", self.timeline_json_file)
             for a in getattr(self, "actors", []):
                 ray.kill(a)
             ray.util.remove_placement_group(self.pg)

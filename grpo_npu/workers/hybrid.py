@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from grpo_npu.batch import RolloutBatch
 from grpo_npu.config import Config, derive
+from grpo_npu.determinism import make_deterministic
 from grpo_npu.device import get_device
 from grpo_npu.rollout import MemoryLedger, build_rollout, run_rollout_step
 from grpo_npu.workers import fsdp
@@ -79,6 +80,8 @@ class HybridWorker:
         if model.external_lib:
             importlib.import_module(model.external_lib)
         dev.seed_everything(cfg.trainer.seed)
+        if cfg.trainer.deterministic:
+            make_deterministic()  # before any model, kernel handle or engine exists in this process
         fused = fused_kernels_on(model, dev)
         onednn = model.use_onednn_linear  # the critic shares it: one switch for the CPU matmul path
         actor_module = build_sharded(

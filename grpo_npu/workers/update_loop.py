@@ -56,6 +56,8 @@ class MicroLoss:
 # (trimmed micro-batch on the device, agg_loss keyword arguments num_tokens / num_seqs / horizon of its
 # mini-batch) -> MicroLoss. The metric names a function returns must not depend on the rank.
 MicroLossFn = Callable[[RolloutBatch, dict], MicroLoss]
+# A batch -> its (B, T) loss mask: the tokens the losses count (the response mask less any rows left out).
+LossTokensFn = Callable[[RolloutBatch], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -110,9 +112,10 @@ class UpdateLoop:
         self.horizon = horizon
 
     def run(self, batch: RolloutBatch, loss_fn: MicroLossFn, *, epochs: int, mini_batch_size: int,
-            shuffle: bool = True) -> UpdateStats:
+            shuffle: bool = True, loss_tokens: LossTokensFn | None = None) -> UpdateStats:
         """``epochs`` passes over mini-batches of this rank's rows, one optimizer step each; one scheduler
-        step. ``shuffle`` False keeps row order even with a shuffle seed. Collective."""
+        step. ``shuffle`` False keeps row order even with a shuffle seed; ``loss_tokens`` (default:
+        ``batch.loss_tokens()``) gives the tokens the losses count, for the global normalisation. Collective."""
         self.module.train()
         lr = self.optimizer.param_groups[0]["lr"]
         totals = _Totals()
@@ -122,7 +125,7 @@ class UpdateLoop:
                 optimizer_on(self.optimizer, self.dev, self.optimizer_offload):
             for _ in range(epochs):
                 for rows in mini_batches(len(batch), mini_batch_size, order):
-                    self.backward_mini_batch(batch.select(rows), loss_fn, totals)
+                    self.backward_mini_batch(batch.select(rows), loss_fn, totals, loss_tokens)
                     norm, stepped = clip_and_step(self.params, self.optimizer, self.grad_clip)
                     grad_norms.append(norm)
                     skipped += int(not stepped)
@@ -132,13 +135,15 @@ class UpdateLoop:
         return UpdateStats(sums=sums, maxes=maxes, tokens=tokens, steps=steps,
                            grad_norm=sum(grad_norms) / max(steps, 1), skipped=skipped, lr=lr)
 
-    def backward_mini_batch(self, mini: RolloutBatch, loss_fn: MicroLossFn, totals: _Totals | None = None) -> None:
+    def backward_mini_batch(self, mini: RolloutBatch, loss_fn: MicroLossFn, totals: _Totals | None = None,
+                            loss_tokens: LossTokensFn | None = None) -> None:
         """Forward/backward every micro-batch of one mini-batch, accumulating gradients (no step). Collective.
 
-        ``totals`` collects the metric parts and the global token count (None: gradients only).
+        ``totals`` collects the metric parts and the global token count (None: gradients only); the counts
+        are of ``loss_tokens(mini)`` (default: ``mini.loss_tokens()``).
         """
         device = self.dev.torch_device()
-        num_tokens, num_seqs = global_counts(mini.response_mask, device)
+        num_tokens, num_seqs = global_counts(mini.loss_tokens() if loss_tokens is None else loss_tokens(mini), device)
         agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=self.horizon)
         groups = plan_micro_batches(mini, size=self.micro_size, max_tokens=self.max_tokens, dev=self.dev)
         scale = dist.get_world_size()  # FSDP averages gradients over ranks; the losses are global sums

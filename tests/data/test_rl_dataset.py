@@ -291,3 +291,42 @@ def test_reward_fn_key_names_the_data_source_column(tiny_tokenizer, parquet):
         r["task"] = "my/source"
     ds = RLDataset(parquet(rows), tiny_tokenizer, max_prompt_length=256, reward_fn_key="task")
     assert [ds[i].data_source for i in range(3)] == ["my/source"] * 3
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_tokenizer, parquet):
+    """data.apply_chat_template_kwargs (verl's key) are the chat template's variables, e.g. enable_thinking."""
+    import copy
+
+    from grpo_npu.config import load_config
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = "{% if enable_thinking %}<think>{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    base = ["actor_rollout_ref.model.path=/tmp/tiny", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "data.max_prompt_length=256"]
+    path = parquet(_rows(2))
+    plain = RLDataset.from_config([path], tok, load_config(base).data)
+    thinking = RLDataset.from_config([path], tok, load_config(base + ["+data.apply_chat_template_kwargs.enable_thinking=True"]).data)
+    think_ids = tok("<think>", add_special_tokens=False)["input_ids"]
+    assert thinking[0].raw_prompt_ids == think_ids + plain[0].raw_prompt_ids
+
+
+def test_media_columns_are_refused(tiny_tokenizer, parquet):
+    """Rows with verl's image column (data.image_key's default) are vision-language data: refused, naming it."""
+    from grpo_npu.config import load_config
+
+    data = load_config(["actor_rollout_ref.model.path=/tmp/tiny", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                        "data.max_prompt_length=256"]).data
+    rows = _rows(2)
+    with_images = [dict(r, images=[{"image": "x.png"}]) for r in rows]
+    with pytest.raises(ValueError, match=r"holds 'images' media \(data\.image_key\): vision-language data is not supported"):
+        RLDataset.from_config([parquet(with_images, "vl.parquet")], tiny_tokenizer, data)
+    no_images = [dict(r, images=None) for r in rows]  # an empty media column is text-only data
+    assert len(RLDataset.from_config([parquet(no_images, "text.parquet")], tiny_tokenizer, data)) == 2
+
+
+def test_tokenize_workers_give_the_same_ids(tiny_tokenizer, parquet):
+    """data.filter_overlong_prompts_workers: chunks on threads, the same ids in the same order as one call."""
+    path = parquet(_rows(7))
+    one = RLDataset(path, tiny_tokenizer, max_prompt_length=256)
+    three = RLDataset(path, tiny_tokenizer, max_prompt_length=256, tokenize_workers=3)
+    assert [one[i].raw_prompt_ids for i in range(7)] == [three[i].raw_prompt_ids for i in range(7)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpo_npu.reward import RewardFunctionError, compute_score, make_compute_score
-from grpo_npu.reward.manager import decode, get_reward_manager, last_token_index
+from grpo_npu.reward.manager import OverlongShaping, decode, get_reward_manager, last_token_index
 
 TEXTS = [
     "12 + 30 = 42. #### 42",  # right
@@ -96,9 +96,8 @@ def test_dapo_overlong_penalty(tiny_tokenizer, buffer_len, factor):
     texts = ["#### 42", "#### 4" + " 4" * 6, "#### 42" + " x" * 8, "#### 41" + " y" * 10, "#### 42" + " z" * 13]
     ids, mask = make_batch(tiny_tokenizer, texts, width=max_len)  # lengths 5, 16, 21, 25, 31 with eos
     sources, truths = ["openai/gsm8k"] * 5, ["42"] * 5
-    manager = get_reward_manager("dapo", tokenizer=tiny_tokenizer, max_response_length=max_len,
-                                 overlong_buffer_enable=True, overlong_buffer_len=buffer_len,
-                                 overlong_penalty_factor=factor)
+    manager = get_reward_manager("dapo", tokenizer=tiny_tokenizer,
+                                 overlong=OverlongShaping(max_len, buffer_len=buffer_len, penalty_factor=factor))
     out = manager(ids, mask, sources, truths)
     lengths = mask.sum(1).tolist()
     scores = [compute_score(s, tiny_tokenizer.decode(ids[i, : lengths[i]], skip_special_tokens=True), g)["score"]
@@ -112,13 +111,27 @@ def test_dapo_overlong_penalty(tiny_tokenizer, buffer_len, factor):
         assert out.token_level_scores[i, n - 1].item() == pytest.approx(scores[i] + penalty)
         assert out.token_level_scores[i].count_nonzero() <= 1
     assert any(out.column("overlong")) and not all(out.column("overlong"))
+    assert "reward/overlong_reward/mean" not in out.metrics  # only with reward_model.overlong_buffer.log
+
+
+def test_dapo_overlong_log_metrics(tiny_tokenizer):
+    """reward_model.overlong_buffer.log: the batch means of overlong_reward and overlong become metrics."""
+    texts = ["#### 42", "#### 42" + " z" * 13, "#### 42" + " x" * 8]
+    ids, mask = make_batch(tiny_tokenizer, texts, width=32)
+    manager = get_reward_manager("dapo", tokenizer=tiny_tokenizer,
+                                 overlong=OverlongShaping(32, buffer_len=16, log=True))
+    out = manager(ids, mask, ["openai/gsm8k"] * 3, ["42"] * 3)
+    rewards = out.column("overlong_reward")
+    assert out.metrics["reward/overlong_reward/mean"] == pytest.approx(sum(rewards) / 3)
+    assert out.metrics["reward/overlong/mean"] == pytest.approx(sum(r < 0 for r in rewards) / 3)
+    assert 0 < out.metrics["reward/overlong/mean"] < 1
 
 
 def test_dapo_without_buffer_equals_naive(tiny_tokenizer):
     ids, mask = make_batch(tiny_tokenizer, TEXTS)
     args = (ids, mask, ["openai/gsm8k"] * 5, TRUTHS)
     naive = get_reward_manager("naive", tokenizer=tiny_tokenizer)(*args)
-    dapo = get_reward_manager("dapo", tokenizer=tiny_tokenizer, max_response_length=24)(*args)
+    dapo = get_reward_manager("dapo", tokenizer=tiny_tokenizer)(*args)
     assert torch.equal(naive.token_level_scores, dapo.token_level_scores)
     assert naive.extra == dapo.extra
 
@@ -127,11 +140,11 @@ def test_manager_errors(tiny_tokenizer):
     with pytest.raises(ValueError, match=r"reward_manager='prime'; known: \['dapo', 'naive'\]"):
         get_reward_manager("prime", tokenizer=tiny_tokenizer)
     with pytest.raises(ValueError, match="overlong_buffer.enable=True needs reward_model.reward_manager=dapo"):
-        get_reward_manager("naive", tokenizer=tiny_tokenizer, overlong_buffer_enable=True, overlong_buffer_len=4)
-    with pytest.raises(ValueError, match="needs data.max_response_length"):
-        get_reward_manager("dapo", tokenizer=tiny_tokenizer, overlong_buffer_enable=True, overlong_buffer_len=4)
+        get_reward_manager("naive", tokenizer=tiny_tokenizer, overlong=OverlongShaping(8, buffer_len=4))
+    with pytest.raises(ValueError, match=r"overlong_buffer.len: expected <= data.max_response_length \(8\)"):
+        get_reward_manager("dapo", tokenizer=tiny_tokenizer, overlong=OverlongShaping(8, buffer_len=9))
     with pytest.raises(ValueError, match="overlong_buffer.len: expected > 0"):
-        get_reward_manager("dapo", tokenizer=tiny_tokenizer, max_response_length=8, overlong_buffer_enable=True)
+        get_reward_manager("dapo", tokenizer=tiny_tokenizer, overlong=OverlongShaping(8, buffer_len=0))
     with pytest.raises(ValueError, match="num_workers=-1"):
         get_reward_manager("naive", tokenizer=tiny_tokenizer, num_workers=-1)
     manager = get_reward_manager("naive", tokenizer=tiny_tokenizer)

@@ -1,0 +1,293 @@
+"""What grpo_npu does with each verl key its schema lacks, and with each of its own keys it does not act on.
+
+One table, :data:`RULES`, read top to bottom, first match wins (``fnmatch`` patterns over dotted keys):
+
+- ``ALIAS``: verl has two homes for the setting (``ray_kwargs.ray_init.*`` and ``ray_init.*``, the
+  ``reward.*`` section and ``reward_model.*``, ...); the key means the grpo_npu key named by ``target``.
+- ``REFUSE``: accepted at the values in ``accepted`` (``None``: verl's default, with verl's
+  interpolations resolved against the loaded config), refused otherwise in one line naming the key, the
+  value, the feature and the supported values. A schema key listed here is one grpo_npu keeps for verl's
+  command lines without acting on any other value (``tests/test_config_fields.py`` holds every schema key
+  read nowhere to such a row).
+- A verl key no rule matches is accepted at verl's default and refused otherwise (``GENERIC``).
+
+A feature that lands flips its rows (e.g. ``algorithm.rollout_correction.*``) from ``REFUSE`` to schema
+keys; nothing else changes. Torch-free.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from grpo_npu.config.verl_keys import MISSING, config_defaults, interpolation, is_verl_key, verl_keys
+from grpo_npu.errors import ConfigError
+
+ALIAS, REFUSE = "alias", "refuse"
+
+# The features grpo_npu does not have, named once: a refusal says which one a key belongs to.
+MEGATRON = "the Megatron backend; grpo_npu trains with FSDP2"
+BACKEND = "a training backend other than FSDP2 (megatron, fsdp_turbo, veomni, torchtitan)"
+MODEL_ENGINE = "a model engine other than verl's dp (FSDP) engine"
+VEOMNI = "the VeOmni engine"
+TORCHTITAN = "the TorchTitan engine"
+FSDP_TURBO = "the fsdp_turbo engine"
+SEQUENCE_PARALLEL = "sequence parallelism (Ulysses)"
+VISION = "vision-language data (images, videos, audio)"
+ROLLOUT_CORRECTION = "rollout correction (algorithm.rollout_correction)"
+LORA = "LoRA"
+QAT = "quantization-aware training"
+MTP = "multi-token prediction"
+MULTI_TURN = "multi-turn, tool-calling and agent-loop rollouts"
+DISTILLATION = "distillation"
+REWARD_MODEL = "model-based rewards (a reward model or reward loop)"
+PROFILER = "verl's profilers"
+TRANSFER_QUEUE = "TransferQueue"
+ROLLOUT_SKIP = "rollout dumping and skipping"
+ASYNC_TRAINER = "verl's asynchronous trainer modes"
+DISAGGREGATION = "prefill/decode disaggregation"
+CHECKPOINT_ENGINE = "verl's checkpoint engine (bucketed weight transfer); grpo_npu streams one tensor at a time"
+HYDRA = "Hydra's own settings and config-group choices; grpo_npu reads key=value overrides"
+TORCH_COMPILE = "torch.compile of the log-prob computation"
+GENERIC = ""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What happens to the keys matching ``pattern``."""
+
+    pattern: str
+    action: str = REFUSE
+    feature: str = GENERIC
+    accepted: tuple | None = None
+    target: str = ""
+
+
+def _refuse(feature: str, *patterns: str, accepted: tuple | None = None) -> list[Rule]:
+    return [Rule(p, REFUSE, feature, accepted) for p in patterns]
+
+
+RULES: tuple[Rule, ...] = tuple([
+    # verl's second home of a setting grpo_npu has
+    Rule("ray_kwargs.ray_init.num_cpus", ALIAS, target="ray_init.num_cpus"),
+    Rule("ray_kwargs.ray_init.runtime_env*", ALIAS, target="ray_init.runtime_env"),
+    Rule("ray_kwargs.timeline_json_file", ALIAS, target="ray_init.timeline_json_file"),
+    Rule("reward.custom_reward_function.path", ALIAS, target="custom_reward_function.path"),
+    Rule("reward.custom_reward_function.name", ALIAS, target="custom_reward_function.name"),
+    Rule("reward.reward_manager.name", ALIAS, target="reward_model.reward_manager"),
+    Rule("reward.reward_model.enable", ALIAS, target="reward_model.enable"),
+    Rule("reward.num_workers", ALIAS, target="reward_model.num_workers"),
+    Rule("reward.reward_kwargs.overlong_buffer_cfg.*", ALIAS, target="reward_model.overlong_buffer.*"),
+    Rule("reward_model.reward_kwargs.overlong_buffer_cfg.*", ALIAS, target="reward_model.overlong_buffer.*"),
+    *_refuse("a DAPO length other than data.max_response_length", "reward.reward_kwargs.max_resp_len",
+             "reward_model.reward_kwargs.max_resp_len", accepted=(None, "${data.max_response_length}")),
+    Rule("actor_rollout_ref.actor.optim.clip_grad", ALIAS, target="actor_rollout_ref.actor.grad_clip"),
+    Rule("critic.optim.clip_grad", ALIAS, target="critic.grad_clip"),
+    Rule("actor_rollout_ref.actor.optim.lr_scheduler_type", ALIAS, target="actor_rollout_ref.actor.optim.warmup_style"),
+    Rule("critic.optim.lr_scheduler_type", ALIAS, target="critic.optim.warmup_style"),
+    # schema keys grpo_npu keeps for verl's command lines, acting on no other value
+    *_refuse("only the colocated hybrid engine", "actor_rollout_ref.hybrid_engine", accepted=(True,)),
+    *_refuse("Liger kernels (CUDA-only; actor_rollout_ref.model.use_fused_kernels=True uses grpo_npu.ops)",
+             "actor_rollout_ref.model.use_liger", accepted=(False,)),
+    *_refuse("activation offload", "actor_rollout_ref.model.enable_activation_offload", accepted=(False,)),
+    *_refuse("HDFS upload", "trainer.default_hdfs_dir", accepted=(None,)),
+    *_refuse("deleting the local checkpoint after loading it (with no HDFS copy here it is the only one)",
+             "trainer.del_local_ckpt_after_load", accepted=(False,)),
+    *_refuse("scoring in the background", "reward_model.launch_reward_fn_async", accepted=(False,)),
+    *_refuse("a critic checkpoint retention of its own (the critic is saved in the same checkpoint: "
+             "trainer.max_actor_ckpt_to_keep)", "trainer.max_critic_ckpt_to_keep", accepted=(None,)),
+    *_refuse("keeping the templated prompt text", "data.return_full_prompt", accepted=(False,)),
+    *_refuse("raw input ids for a reward model with its own tokenizer", "data.return_raw_input_ids", accepted=(False,)),
+    *_refuse("data-loader worker processes (prompts are tokenized up front)", "data.dataloader_num_workers",
+             accepted=(0,)),
+    *_refuse("module buffers in another dtype (FSDP2 keeps buffers as loaded)", "*.mixed_precision.buffer_dtype",
+             accepted=("float32", "fp32")),
+    *_refuse("custom FSDP wrap policies (FSDP2 wraps each decoder layer, then the root)", "*.fsdp_config.wrap_policy",
+             accepted=({}, {"min_num_params": 0})),
+    *_refuse("custom FSDP wrap policies (FSDP2 wraps each decoder layer, then the root)",
+             "*.fsdp_config.wrap_policy.min_num_params", accepted=(0,)),
+    *_refuse(TORCH_COMPILE, "*use_torch_compile", accepted=(False,)),
+    *_refuse("verl's worker-implementation switch (newer verl); grpo_npu has one worker implementation",
+             "trainer.use_legacy_worker_impl", accepted=("auto",)),
+    # whole features
+    *_refuse(HYDRA, "hydra.*", "*@*", accepted=()),
+    *_refuse(MEGATRON, "*.megatron.*", accepted=None),
+    *_refuse(BACKEND, "*strategy", accepted=("fsdp", "fsdp2")),
+    *_refuse(MODEL_ENGINE, "model_engine", "*.model_engine", accepted=("dp",)),
+    *_refuse(MODEL_ENGINE, "*.engine.*"),
+    *_refuse(VEOMNI, "*.veomni.*"),
+    *_refuse(TORCHTITAN, "*.torchtitan.*"),
+    *_refuse(FSDP_TURBO, "*.turbo_config.*"),
+    *_refuse(SEQUENCE_PARALLEL, "*ulysses*", accepted=(1,)),
+    *_refuse(VISION, "data.image_key", "data.video_key", "data.audio_key", "data.image_patch_size",
+             "data.return_multi_modal_inputs", "data.mm_processor_kwargs*", "*freeze_vision*", "*limit_images"),
+    *_refuse("rollout correction's bypass mode (rollout log-probs as the old policy; decoupled: the actor "
+             "recomputes them)", "algorithm.rollout_correction.bypass_mode", accepted=(False,)),
+    *_refuse("a bypass-mode loss other than ppo_clip", "algorithm.rollout_correction.loss_type", accepted=("ppo_clip",)),
+    *_refuse(ROLLOUT_CORRECTION, "algorithm.rollout_correction.*"),
+    *_refuse(LORA, "actor_rollout_ref.model.lora_rank", accepted=(0,)),
+    *_refuse(LORA, "actor_rollout_ref.model.lora.*", "actor_rollout_ref.model.lora_*",
+             "actor_rollout_ref.model.target_modules", "actor_rollout_ref.model.exclude_modules"),
+    *_refuse(QAT, "*.qat", "*.qat.*"),
+    *_refuse(MTP, "actor_rollout_ref.model.mtp.*", "actor_rollout_ref.rollout.mtp"),
+    *_refuse(MULTI_TURN, "actor_rollout_ref.rollout.multi_turn.*", "actor_rollout_ref.rollout.agent.*",
+             "data.tool_config_path", "data.function_tool_path", "*sandbox_fusion.*"),
+    *_refuse(DISTILLATION, "distillation.*"),
+    *_refuse(REWARD_MODEL, "reward_model.enable", accepted=(False,)),
+    *_refuse(REWARD_MODEL, "reward.reward_model.*", "reward_model.model.*", "reward_model.rollout.*",
+             "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes",
+             "reward_model.reward_loop_*", "reward.reward_manager.*"),
+    *_refuse(PROFILER, "*profiler.*"),
+    *_refuse(TRANSFER_QUEUE, "transfer_queue.*"),
+    *_refuse(ROLLOUT_SKIP, "skip.*"),
+    *_refuse(ASYNC_TRAINER, "trainer.v1.*", "trainer.use_v1"),
+    *_refuse(DISAGGREGATION, "actor_rollout_ref.rollout.disaggregation.*"),
+    *_refuse(CHECKPOINT_ENGINE, "actor_rollout_ref.rollout.checkpoint_engine.*"),
+])
+
+
+# verl's built-in config names (``--config-name``): "" = grpo_npu's defaults (plus the recipe's own
+# defaults from verl's key list, for the DAPO recipe), else the feature the config is made for.
+BUILTIN_CONFIGS: dict[str, str] = {
+    "ppo_trainer": "", "dapo_trainer": "", "ppo_megatron_trainer": MEGATRON, "dapo_megatron_trainer": MEGATRON,
+    "ppo_torchtitan_trainer": TORCHTITAN, "ppo_veomni_trainer": VEOMNI, "dapo_qat_trainer": QAT,
+    "dapo_qat_megatron_trainer": QAT, "deepeyes_multiturn_grpo": MULTI_TURN,
+}
+RECIPE_DEFAULTS = {"dapo_trainer": "dapo_recipe"}  # the key-list config whose defaults the name brings
+
+
+def builtin_config(name: str) -> list[str]:
+    """The overrides a verl built-in config name stands for; a one-line refusal for one grpo_npu cannot run."""
+    base = name.rsplit("/", 1)[-1].removesuffix(".yaml").removesuffix(".yml")
+    feature = BUILTIN_CONFIGS[base]
+    if feature:
+        raise ConfigError(f"not supported by grpo_npu: --config-name={name} ({feature})")
+    recipe = config_defaults(RECIPE_DEFAULTS[base]) if base in RECIPE_DEFAULTS else {}
+    return [f"{k}={json.dumps(v)}" for k, v in recipe.items() if interpolation(v) is None and not isinstance(v, (dict, list))]
+
+
+def is_builtin_config(name: str) -> bool:
+    """Whether ``name`` is one of verl's built-in config names (with or without .yaml)."""
+    return name.rsplit("/", 1)[-1].removesuffix(".yaml").removesuffix(".yml") in BUILTIN_CONFIGS
+
+
+@functools.cache
+def rule_for(key: str) -> Rule | None:
+    """The first rule matching ``key`` (None: no rule; a verl key is then accepted at verl's default only)."""
+    return next((r for r in RULES if fnmatch.fnmatchcase(key, r.pattern)), None)
+
+
+def alias(key: str) -> str:
+    """The grpo_npu key a verl key means (``key`` itself when it has no second home)."""
+    rule = rule_for(key)
+    if rule is None or rule.action != ALIAS:
+        return key
+    if rule.pattern.endswith("*"):
+        return rule.target.rstrip("*") + key[len(rule.pattern) - 1:]
+    return rule.target
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as Hydra reads it (``True`` -> True, ``null`` -> None, ``[a,b]`` -> a list)."""
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):  # YAML 1.1 reads 1e-08 as text; Hydra as a float
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or (isinstance(a, str) and a.lower() == str(b).lower())
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _lookup(tree: dict, key: str) -> tuple[bool, Any]:
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def verl_default(key: str, loaded: dict) -> tuple[bool, Any]:
+    """(known, value): verl's default of ``key``, its interpolations resolved against the ``loaded`` config."""
+    row = verl_keys().get(key)
+    if row is None or row.default == MISSING:
+        return False, None
+    default = row.default
+    for _ in range(8):  # interpolation chains are short; a cycle ends here
+        ref = interpolation(default)
+        if ref is None:
+            return True, default
+        target, fallback = ref
+        if target.startswith("."):
+            target = key.rsplit(".", 1)[0] + target
+        found, value = _lookup(loaded, alias(target))
+        if found:
+            return True, value
+        if target in verl_keys():
+            key, default = target, verl_keys()[target].default
+            continue
+        return True, parse_value(fallback) if fallback is not None else None
+    return False, None
+
+
+def accepted_values(key: str, loaded: dict) -> tuple:
+    """The values of ``key`` grpo_npu accepts: its rule's, else verl's default (empty: none)."""
+    rule = rule_for(key)
+    if rule is not None and rule.accepted is not None:
+        return tuple(_lookup(loaded, ref[0])[1] if (ref := interpolation(v)) else v for v in rule.accepted)
+    known, default = verl_default(key, loaded)
+    return (default,) if known else ()
+
+
+def refusal(key: str, raw: str, accepted: tuple) -> ConfigError:
+    """The one-line refusal of ``key=raw``, naming its feature and what is supported."""
+    rule = rule_for(key)
+    feature = f" ({rule.feature})" if rule is not None and rule.feature else ""
+    shown = ", ".join("null" if v is None else str(v) for v in accepted) or "none (leave it unset)"
+    return ConfigError(f"not supported by grpo_npu: {key}={raw}{feature}; supported values: {shown}")
+
+
+def check_verl_value(key: str, raw: str, loaded: dict) -> None:
+    """Accept ``key=raw`` (a key grpo_npu's schema lacks) at an accepted value; else a one-line refusal."""
+    accepted = accepted_values(key, loaded)
+    if not any(_same(parse_value(raw), v) for v in accepted):
+        raise refusal(key, raw, accepted)
+
+
+def refused_schema_keys(keys: tuple[str, ...]) -> list[str]:
+    """The schema keys (of ``keys``) a REFUSE rule limits to its accepted values."""
+    return [k for k in keys if (r := rule_for(k)) is not None and r.action == REFUSE and r.accepted is not None]
+
+
+def check_schema_values(loaded: dict, keys: tuple[str, ...]) -> None:
+    """Refuse a schema key set to a value its REFUSE rule does not accept (the config as a nested dict)."""
+    for key in refused_schema_keys(keys):
+        _, value = _lookup(loaded, key)
+        accepted = rule_for(key).accepted  # type: ignore[union-attr]
+        if not any(_same(value, v) for v in accepted):
+            raise refusal(key, "null" if value is None else str(value), accepted)
+
+
+def known_to_verl(key: str) -> bool:
+    """Whether verl knows ``key`` (declares it, or a rule covers its family)."""
+    return is_verl_key(key) or rule_for(key) is not None

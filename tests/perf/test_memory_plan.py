@@ -1,0 +1,72 @@
+"""The memory plan: components by phase, the table, over-capacity warnings, and the run's log and metrics."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from grpo_npu.config import load_config
+from grpo_npu.device import get_device
+from grpo_npu.perf.flops import ModelShape
+from grpo_npu.perf.memory import GIB, MemoryInputs, memory_table, over_capacity, param_count, plan_memory, plan_metrics
+from grpo_npu.step_limits import StepLimits
+
+# a Qwen2.5-0.5B shape (tied embeddings)
+QWEN05 = ModelShape(hidden=896, layers=24, heads=14, kv_heads=2, head_dim=64, intermediate=4864, vocab=151936,
+                    head_width=151936, tied_embeddings=True)
+
+
+def inputs(**kw):
+    base = dict(shape=QWEN05, world_size=8, master_dtype="fp32", compute_dtype="bf16", rollout_dtype="bf16",
+                micro_batch=4, log_prob_micro_batch=8, prompt_length=512, response_length=1024, rollout_rows=64,
+                gradient_checkpointing=True, rollout="vllm", gpu_memory_utilization=0.6, capacity=64 * GIB)
+    return MemoryInputs(**{**base, **kw})
+
+
+def test_components_follow_the_parallel_layout_and_settings():
+    assert param_count(QWEN05) == pytest.approx(494e6, rel=0.01)  # Qwen2.5-0.5B: 494M parameters
+    plan = plan_memory(inputs())
+    upd = plan["update_actor"]
+    p = param_count(QWEN05)
+    assert upd["weights"] == p * 4 // 8 and upd["grads"] == p * 4 // 8 and upd["optimizer"] == 2 * p * 4 // 8
+    assert plan["rollout"]["kv_cache"] == int(0.6 * 64 * GIB) - p * 2  # utilization share minus the engine weights
+    no_ckpt = plan_memory(inputs(gradient_checkpointing=False))["update_actor"]["activations"]
+    assert no_ckpt > 5 * upd["activations"]  # checkpointing keeps one layer's activations, not 24
+    offload = plan_memory(inputs(optimizer_offload=True, param_offload=True))["old_log_prob"]
+    assert offload["weights"] == 0 and offload["optimizer"] == 0
+    one_rank = plan_memory(inputs(world_size=1))["update_actor"]
+    assert one_rank["optimizer"] == 8 * upd["optimizer"] and one_rank["gathered"] == 0
+    hf = plan_memory(inputs(rollout="hf"))["rollout"]
+    assert hf["kv_cache"] == 64 * (512 + 1024) * QWEN05.kv_bytes_per_token("bf16")
+
+
+def test_table_warnings_and_metrics():
+    plan = plan_memory(inputs(world_size=1, gradient_checkpointing=False, micro_batch=16))
+    table = memory_table(plan, 64 * GIB)
+    assert table.splitlines()[1].split()[:2] == ["phase", "weights"] and len(table.splitlines()) == 5
+    warnings = over_capacity(plan, 64 * GIB)
+    assert len(warnings) == 1 and warnings[0].startswith("memory plan: update_actor needs") \
+        and "largest part: activations" in warnings[0]
+    assert over_capacity(plan_memory(inputs()), 64 * GIB) == []
+    metrics = plan_metrics(plan)
+    assert metrics["perf/mem_estimate_gb/peak"] == max(metrics[f"perf/mem_estimate_gb/{p}"] for p in plan)
+
+
+def test_the_run_logs_the_table_and_reports_the_estimate(tiny_model_path, caplog, monkeypatch):
+    cfg = load_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "trainer.n_gpus_per_node=1",
+                       "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                       "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.name=hf",
+                       f"actor_rollout_ref.model.path={tiny_model_path}"])
+    dev = get_device("cpu")
+    with caplog.at_level(logging.INFO, logger="grpo_npu.step_limits"):
+        limits = StepLimits(cfg, dev, world_size=1, use_critic=False)
+    assert any("memory plan per rank" in r.getMessage() for r in caplog.records)
+    assert not any(r.levelno >= logging.WARNING for r in caplog.records)
+    metrics = limits.report({"step": 1.0, "update_actor": 0.5}, {}, [5, 5], [3, 4], n=2)
+    assert 0 < metrics["perf/mem_estimate_gb/update_actor"] < 1  # the tiny model: megabytes
+    monkeypatch.setattr(type(dev), "total_memory", lambda self, index=None: 1024)  # a 1 KiB device
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="grpo_npu.step_limits"):
+        StepLimits(cfg, dev, world_size=1, use_critic=False)
+    assert sum("memory plan:" in r.getMessage() for r in caplog.records) == 3  # every phase is over
