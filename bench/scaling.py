@@ -32,6 +32,7 @@ TINY_POINTS = ((64, 256, 1024), (8, 32, 128))  # the full range in x4 steps: 3 p
 POINTS_05B = ((64, 128, 256), (8, 16, 32))
 QUICK_POINTS = ((16, 32), (4, 8))
 SWEEP_BATCH, SWEEP_LENGTH = 8, 64  # the fixed coordinate of each sweep
+FLAT_FRACTION = 0.02  # memory that moves less than this over a sweep is flat (exponent 0): the fit would be noise
 MEMORY_EXPONENT_MAX = 1.5  # above this a sweep's memory grows faster than linearly: reported as a miss
 TIMEOUT_S = 1200.0
 
@@ -54,8 +55,11 @@ def point_keys(model: str, train: str, length: int, seqs: int, rollout: str, pac
 
 
 def fit_exponent(xs: list[float], ys: list[float]) -> float:
-    """k of the least-squares fit ``y = a + b * x**k`` (k on a 0.01 grid in [0.25, 3])."""
+    """k of the least-squares fit ``y = a + b * x**k`` (k on a 0.01 grid in [0.25, 3]); 0 when y is flat."""
     import numpy as np
+
+    if max(ys) - min(ys) < FLAT_FRACTION * min(ys):
+        return 0.0
 
     x, y = np.asarray(xs, float), np.asarray(ys, float)
     best = (math.inf, float("nan"))
@@ -140,7 +144,9 @@ def run(quick: bool = False, model: str = "tiny", rollout: str = "hf", packed: b
         xs = [r["x"] for r in pts]
         k_mem = fit_exponent(xs, [r["peak_memory_gb"] for r in pts])
         k_time = math.log(pts[-1]["step_s"] / pts[0]["step_s"]) / math.log(xs[-1] / xs[0])
-        result.notes.append(f"{sweep}: memory ~ a + b*x^{k_mem:.2f}; step time grew x^{k_time:.2f} overall "
+        mems = [r["peak_memory_gb"] for r in pts]
+        result.notes.append(f"{sweep}: peak memory {mems[0]:.3f} -> {mems[-1]:.3f} GB, fitted a + b*x^{k_mem:.2f} "
+                            f"(0 = flat: under {FLAT_FRACTION:.0%} change); step time grew x^{k_time:.2f} overall "
                             f"({xs[0]} -> {xs[-1]})")
         result.add_target(f"memory_exponent_{sweep.replace(', ', '_')}", k_mem, MEMORY_EXPONENT_MAX,
                           higher_is_better=False)

@@ -14,7 +14,11 @@ from bench import cli_run, report, scaling
 @pytest.mark.parametrize("k", [1.0, 2.0, 0.5])
 def test_memory_exponent_fit_recovers_the_power(k):
     xs = [64, 128, 256, 512, 1024]
-    assert scaling.fit_exponent(xs, [1.5 + 3e-4 * x**k for x in xs]) == pytest.approx(k, abs=0.02)
+    assert scaling.fit_exponent(xs, [1.5 + (x / 1024) ** k for x in xs]) == pytest.approx(k, abs=0.02)
+
+
+def test_flat_memory_has_exponent_zero():
+    assert scaling.fit_exponent([64, 256, 1024], [1.118, 1.1183, 1.1185]) == 0.0
 
 
 def test_scaling_points_are_valid_command_lines(tmp_path, tiny_model_path):
