@@ -17,17 +17,24 @@ from typing import Callable
 
 from grpo_npu.perf.hardware import best_seconds as timeit  # noqa: F401  (the benchmarks' timer)
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"  # full-size results, committed (bench/report.py reads them)
+
+
+def results_dir(quick: bool) -> Path:
+    """Where results go by default: quick-size ones apart (git-ignored), so they never replace full ones."""
+    return RESULTS_DIR / "quick" if quick else RESULTS_DIR
 
 
 @dataclass
 class BenchResult:
-    """rows: one dict per measured configuration; targets: name -> (measured ratio, target, passed)."""
+    """rows: one dict per measured configuration; targets: name -> (measured ratio, target, passed);
+    meta: when and where it was measured (:func:`run_meta`), filled in by :func:`bench_main`."""
 
     name: str
     rows: list[dict] = field(default_factory=list)
     targets: dict[str, dict] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
 
     def add_target(self, name: str, measured: float, target: float, higher_is_better: bool = True) -> None:
         passed = measured >= target if higher_is_better else measured <= target
@@ -64,13 +71,32 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def run_meta(quick: bool) -> dict:
+    """Date, machine, package versions and load average at the end of a run."""
+    import datetime
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"quick": quick, "measured_at": datetime.date.today().isoformat(),
+            "machine": f"{cpu} ({os.cpu_count()} CPUs), torch {torch.__version__}",
+            "load": "load average " + "/".join(f"{x:.1f}" for x in os.getloadavg()) + " at the end"}
+
+
 def bench_main(run: Callable[..., BenchResult], argv: list[str] | None = None) -> BenchResult:
     parser = argparse.ArgumentParser(description=(run.__doc__ or "").strip().splitlines()[0] if run.__doc__ else None)
     parser.add_argument("--quick", action="store_true", help="small sizes for CI; ratios are indicative only")
-    parser.add_argument("--json", default=None, help="where to write the JSON result (default bench/results/<name>.json)")
+    parser.add_argument("--json", default=None, help="where to write the JSON result (default bench/results/<name>.json; "
+                                                      "with --quick bench/results/quick/<name>.json)")
     args = parser.parse_args(argv)
     result = run(quick=args.quick)
+    result.meta = {**run_meta(args.quick), **result.meta}
     print(result.table())
-    out = result.write_json(args.json or RESULTS_DIR / f"{result.name}.json")
+    out = result.write_json(args.json or results_dir(args.quick) / f"{result.name}.json")
     print(f"wrote {out}")
     return result

@@ -20,10 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import RESULTS_DIR, BenchResult
+from bench.common import BenchResult, results_dir
 
 # Run order: cheap component benchmarks first, the end-to-end comparison last.
-BENCHMARKS = ("advantage", "logprob", "rollout", "step_vs_trl")
+BENCHMARKS = ("advantage", "logprob", "rollout", "step_vs_trl", "scaling")
 PACKAGE = "bench"  # where the benchmark modules live (a test points this at a package of its own)
 SUMMARY_NAME = "summary"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -86,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes for CI; ratios are indicative only")
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=None, metavar="NAME",
                         help=f"run only these, in the given order (known: {', '.join(BENCHMARKS)})")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR,
-                        help="where the JSON files go (default bench/results)")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="where the JSON files go (default bench/results, with --quick bench/results/quick)")
     args = parser.parse_args(argv)
+    args.out_dir = args.out_dir or results_dir(args.quick)
     summary, crashed = run_all(list(args.only or BENCHMARKS), args.quick, args.out_dir, PACKAGE)
     print("\n" + summary.table())
     print(f"wrote {args.out_dir / (SUMMARY_NAME + '.json')}")

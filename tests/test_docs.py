@@ -39,7 +39,7 @@ PATH_RE = re.compile(rf"(?<![\w/.~$-])((?:{'|'.join(TOP_DIRS)})/[\w./*-]*[\w*/]"
 # Written like repository paths, but not ours: what each one is instead.
 NOT_OURS = {
     "grpo_npu/arithmetic": "the synthetic task's data_source name",
-    "bench/results/": "where the benchmarks write their JSON (git-ignored, absent in a fresh clone)",
+    "bench/results/quick/": "where quick-size benchmark runs write their JSON (git-ignored, absent in a fresh clone)",
     "docs/source/installation.md": "vllm-ascend's installation page",
     "docs/ascend_tutorial/ascend_quick_start.rst": "verl's Ascend quick start",
 }

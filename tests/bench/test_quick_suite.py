@@ -12,7 +12,7 @@ import pytest
 from bench import run_all as runner
 from bench import step_vs_trl as svt
 
-pytestmark = pytest.mark.slow  # every benchmark at quick sizes, one process each: about 1.5 minutes on 2 cores
+pytestmark = pytest.mark.slow  # every benchmark at quick sizes, one process each: about 5 minutes on 2 idle cores
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +56,11 @@ def test_summary_lists_every_target_of_every_benchmark(suite):
 def test_step_vs_trl_sides_did_identical_work(suite):
     result = suite[1]["step_vs_trl"]
     rows = {row["side"]: row for row in result["rows"]}
-    expected = {svt.LABELS[s] for s in svt.SIDES if svt.missing_dependency(s) is None}
+    expected = {svt.LABELS[s] for s in svt.SIDES if svt.missing_dependency(s, os.environ.get(svt.TRL_PATH_ENV)) is None}
     assert set(rows) == expected
     work = svt.QUICK
     for row in rows.values():
+        assert row["workload"] == work.name
         assert row["response_tokens_per_step"] == work.prompts * work.n * work.response_len  # EOS ignored everywhere
         assert row["threads"] == work.threads
         assert row["steps_per_s"] == pytest.approx(1.0 / row["step_s"])
@@ -68,12 +69,13 @@ def test_step_vs_trl_sides_did_identical_work(suite):
         assert 0 < row["gen_s"] < row["step_s"] and 0 < row["update_s"] < row["step_s"]
     assert len({row["tokens_per_step"] for row in rows.values()}) == 1, "same prompts and lengths on every side"
     assert not any("WORKLOAD MISMATCH" in n for n in result["notes"]), result["notes"]
+    assert result["meta"]["quick"] is True
     trl = rows.get(svt.LABELS["trl"])
     if trl is None:
-        assert not result["targets"] and any("trl is not installed" in n for n in result["notes"])
+        assert not result["targets"] and any("trl" in n and "not run" in n for n in result["notes"])
         return
-    for side, target in svt.TARGETS.items():
+    for side in svt.TARGET_SPEEDUP:
         if svt.LABELS[side] in rows:
             ratio = rows[svt.LABELS[side]]["steps_per_s"] / trl["steps_per_s"]
-            assert result["targets"][target]["measured"] == pytest.approx(ratio)
+            assert result["targets"][svt.target_name(work, side)]["measured"] == pytest.approx(ratio)
     assert any("load average" in n for n in result["notes"])

@@ -1,4 +1,4 @@
-"""bench.step_vs_trl: both trainers are configured for the same work (cheap checks, no training)."""
+"""bench.step_vs_trl: grpo_npu gets its defaults plus the workload's keys only; both sides do the same work."""
 
 from __future__ import annotations
 
@@ -7,6 +7,18 @@ from dataclasses import replace
 import pytest
 
 from bench import step_vs_trl as svt
+from bench import trl_side
+
+# What a user must say to describe this workload; anything else on grpo_npu's command line would be tuning.
+WORKLOAD_KEYS = {
+    "algorithm.adv_estimator", "data.train_files", "data.train_batch_size", "data.max_response_length",
+    "actor_rollout_ref.model.path", "actor_rollout_ref.model.enable_gradient_checkpointing",
+    "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.use_kl_loss", "actor_rollout_ref.actor.kl_loss_type",
+    "actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.ignore_eos",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size", "trainer.device", "trainer.n_gpus_per_node",
+    "trainer.nnodes", "trainer.total_training_steps", "trainer.val_before_train",
+}
 
 
 @pytest.fixture(scope="module")
@@ -14,89 +26,100 @@ def inputs(tmp_path_factory, tiny_model_path):
     from grpo_npu.data.synthetic import write_synthetic
 
     files = write_synthetic(str(tmp_path_factory.mktemp("svt_data")), train_size=4, test_size=1, write_sft=False)
-    return {"model": tiny_model_path, "train": str(files["train"]), "prompt_width": 64, "prompt_tokens": 200}
+    return {"model": tiny_model_path, "train": str(files["train"]), "prompt_tokens": 200}
 
 
 @pytest.mark.parametrize("change, message", [
     (dict(micro_batch=3), "not a multiple of micro_batch"),
-    (dict(beta=0.0), "beta > 0"),
     (dict(timed_steps=0), "timed_steps"),
     (dict(model="7b"), "known"),
+    (dict(overrides=("enforce_eager",)), "expected key=value"),
 ])
 def test_workload_rejects_bad_sizes(change, message):
     with pytest.raises(ValueError, match=message):
-        replace(svt.QUICK, **change)
+        replace(svt.FIXED, **change)
 
 
-def test_grpo_npu_side_does_one_optimizer_step_per_generation_batch(inputs, tmp_path):
+@pytest.mark.parametrize("work", [svt.FIXED, svt.EOS, svt.QUICK], ids=lambda w: w.name)
+def test_grpo_npu_gets_only_workload_keys(work, inputs):
+    keys = svt.workload_keys(work, inputs, "vllm")
+    assert {k.split("=", 1)[0] for k in keys} <= WORKLOAD_KEYS
+    assert ("actor_rollout_ref.rollout.ignore_eos=True" in keys) is not work.natural_eos
+
+
+def test_grpo_npu_does_one_optimizer_step_per_generation_batch_with_its_defaults(inputs, tmp_path):
     from grpo_npu.config import derive, load_config
 
-    work = replace(svt.FULL, prompts=4, n=4, micro_batch=8, response_len=24)
-    cfg = load_config(svt.grpo_npu_overrides(work, inputs, "hf", tmp_path / "run"))
+    cfg = load_config(svt.workload_keys(svt.FIXED, inputs, "hf") + [f"trainer.default_local_dir={tmp_path}"])
     d = derive(cfg, world_size=1)
-    assert d.train_batch_responses == d.mini_batch_responses_per_rank == 16  # one mini-batch = one optimizer step
-    assert cfg.actor_rollout_ref.actor.ppo_epochs == 1
-    assert d.micro_batch_per_rank == d.log_prob_micro_batch_per_rank == d.ref_log_prob_micro_batch_per_rank == 8
-    assert d.use_reference and cfg.actor_rollout_ref.actor.kl_loss_coef == work.beta
-    assert d.response_length == 24 and d.prompt_length == inputs["prompt_width"]
-    rollout = cfg.actor_rollout_ref.rollout
-    sampling = (rollout.name, rollout.n, rollout.ignore_eos, rollout.temperature, rollout.top_p)
-    assert sampling == ("hf", 4, True, 1.0, 1.0)
-    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing
-    assert list(cfg.data.train_files) == [inputs["train"]] and not cfg.data.shuffle
-    assert cfg.trainer.total_training_steps == 1 + work.timed_steps
+    assert d.train_batch_responses == d.mini_batch_responses_per_rank == 64  # 16 x 4: one optimizer step
+    assert d.micro_batch_per_rank == 16 and cfg.actor_rollout_ref.actor.ppo_epochs == 1
+    assert d.use_reference and d.response_length == 64
+    actor = cfg.actor_rollout_ref.actor
+    defaults = trl_side.GRPO_NPU_DEFAULTS  # what TRL is given must be grpo_npu's defaults
+    assert (actor.optim.lr, actor.optim.weight_decay, actor.clip_ratio, actor.grad_clip, actor.kl_loss_coef) == (
+        defaults["lr"], defaults["weight_decay"], defaults["clip_ratio"], defaults["grad_clip"],
+        defaults["kl_loss_coef"])
+    assert actor.loss_agg_mode == "token-mean" and cfg.actor_rollout_ref.rollout.temperature == 1.0
+    assert cfg.trainer.total_training_steps == 1 + svt.FIXED.timed_steps
 
 
-def test_overrides_reach_grpo_npu_last_and_prompt_sharing_is_cpu_only(inputs, tmp_path):
-    from grpo_npu.config import load_config
-
-    def loaded(work):
-        return load_config(svt.grpo_npu_overrides(work, inputs, "vllm", tmp_path / "run")).actor_rollout_ref
-
-    assert loaded(svt.FULL).model.share_prompt_prefix is True
-    assert loaded(replace(svt.FULL, device="cuda")).model.share_prompt_prefix is False
-    work = replace(svt.FULL, overrides=("actor_rollout_ref.rollout.enforce_eager=False",
-                                        "actor_rollout_ref.model.share_prompt_prefix=False"))
-    ref = loaded(work)
-    assert ref.rollout.enforce_eager is False and ref.model.share_prompt_prefix is False  # after the workload's
-    with pytest.raises(ValueError, match="expected key=value"):
-        svt.run(overrides=("enforce_eager",))
-
-
-def test_trl_side_does_one_optimizer_step_per_generation_batch(tmp_path):
+@pytest.mark.parametrize("work", [svt.FIXED, svt.EOS], ids=lambda w: w.name)
+def test_trl_does_the_same_work(work, tmp_path):
     pytest.importorskip("trl")
     from trl import GRPOConfig
 
-    work = replace(svt.FULL, prompts=4, n=4, micro_batch=8, response_len=24)
-    args = GRPOConfig(**svt.trl_config_kwargs(work, tmp_path))
-    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 16  # samples per optimizer step
-    assert args.generation_batch_size == 16 and args.steps_per_generation == args.gradient_accumulation_steps == 2
-    assert args.num_generations == 4 and args.num_iterations == 1
-    assert args.max_completion_length == args.generation_kwargs["min_new_tokens"] == 24  # fixed length
-    assert args.beta == work.beta > 0 and args.gradient_checkpointing
-    assert args.learning_rate == work.lr and args.weight_decay == 0.0 and args.max_grad_norm == 1.0
-    assert not args.bf16 and not args.fp16 and args.use_cpu
-    assert args.max_steps == 1 + work.timed_steps
+    from dataclasses import asdict
+
+    args = GRPOConfig(**trl_side.trl_config_kwargs(asdict(work), tmp_path))
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 64  # samples per optimizer step
+    assert args.generation_batch_size == 64 and args.num_generations == 4 and args.num_iterations == 1
+    assert args.max_completion_length == 64
+    assert args.generation_kwargs.get("min_new_tokens") == (None if work.natural_eos else 64)
+    assert args.beta == 0.001 and args.gradient_checkpointing and args.loss_type == "dapo"
+    assert not args.bf16 and not args.fp16 and args.use_cpu and args.max_steps == 1 + work.timed_steps
 
 
 def test_summary_row_takes_the_fastest_step():
     measured = {
-        "step_s": [2.0, 1.0, 4.0], "cpu_s": [1.9, 0.9, 1.2],
-        "sections": [{"gen": 1.0, "score": 0.5, "update": 0.5}, {"gen": 0.5, "score": 0.2, "update": 0.3},
-                     {"gen": 2.0, "score": 1.0, "update": 1.0}],
-        "tokens": [100.0, 100.0, 100.0], "response_tokens": [64.0, 64.0, 64.0], "threads": 1, "process_s": 9.0,
+        "step_s": [2.0, 1.0, 4.0], "cpu_s": [1.9, None, 1.2],
+        "sections": [{"gen": 1.0, "score": 0.5, "update": 0.5, "other": 0.0},
+                     {"gen": 0.5, "score": 0.2, "update": 0.3, "other": 0.0},
+                     {"gen": 2.0, "score": 1.0, "update": 1.0, "other": 0.0}],
+        "tokens": [100.0, 100.0, 100.0], "response_tokens": [64.0, 64.0, 64.0], "threads": 2, "process_s": 9.0,
     }
-    row = svt.summarise("x", measured)
+    row = svt.summarise(svt.FIXED, "grpo_npu_hf", measured)
     assert row["step_s"] == 1.0 and row["steps_per_s"] == 1.0 and row["tokens_per_s"] == 100.0
-    assert row["step_s_median"] == 2.0 and row["prompt_tokens_per_step"] == 36.0
-    assert row["response_tokens_per_s"] == 64.0 and row["cpu_s"] == 0.9 and row["gen_s"] == 0.5
-    assert row["step_s_all"] == "2/1/4"
+    assert row["step_s_median"] == 2.0 and row["prompt_tokens_per_step"] == 36.0 and row["cpu_s"] == 1.2
+    assert row["gen_s"] == 0.5 and row["step_s_all"] == "2/1/4" and row["side"] == "grpo_npu (rollout=hf)"
+    tuned = svt.summarise(replace(svt.FIXED, overrides=("a.b=1",)), "grpo_npu_hf", measured)
+    assert tuned["side"].endswith("+ overrides")  # never passes for the defaults
 
 
-def test_missing_optional_packages_skip_a_side_with_the_install_hint(monkeypatch):
+def test_ratios_and_mismatch_checks():
+    from bench.common import BenchResult
+
+    result = BenchResult(name="step_vs_trl")
+    rows = {"trl": {"steps_per_s": 1.0, "cpu_s": 2.0, "prompt_tokens_per_step": 800, "response_tokens_per_step": 4096},
+            "grpo_npu_vllm": {"steps_per_s": 2.0, "cpu_s": 1.0, "prompt_tokens_per_step": 800,
+                              "response_tokens_per_step": 4000}}
+    svt.check_workload(result, svt.FIXED, {"prompt_tokens": 200}, rows)
+    assert result.targets["fixed_grpo_npu_vllm_vs_trl_steps_per_s"] == {"measured": 2.0, "target": ">= 1.5",
+                                                                         "passed": True}
+    assert any("WORKLOAD MISMATCH: fixed/grpo_npu_vllm" in n for n in result.notes)
+    natural = BenchResult(name="step_vs_trl")  # at natural length, response tokens may differ between sides
+    svt.check_workload(natural, svt.EOS, {"prompt_tokens": 200}, rows)
+    assert not any("MISMATCH" in n for n in natural.notes)
+
+
+def test_missing_optional_packages_skip_a_side_with_the_install_hint(monkeypatch, tmp_path):
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
     assert "pip install -e '.[bench]'" in svt.missing_dependency("trl")
     assert svt.missing_dependency("grpo_npu_hf") is None
+    assert "no trl package" in svt.missing_dependency("trl", str(tmp_path))
+    (tmp_path / "trl").mkdir()
+    (tmp_path / "trl" / "__init__.py").write_text("")
+    assert svt.missing_dependency("trl", str(tmp_path)) is None

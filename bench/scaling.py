@@ -1,0 +1,182 @@
+"""How a GRPO step's cost grows: step time and peak memory against response length and batch size.
+
+Run: ``python -m bench.scaling [--quick] [--model tiny|0.5b] [--rollout hf|vllm] [--packed]``.
+Each point is one ``python -m grpo_npu.main_ppo`` run (defaults plus the point's keys: fixed-length
+responses, KL loss, gradient checkpointing, one micro-batch per step, so that the step's activations
+grow with the batch), one warm-up step then one timed step; step seconds are the timed
+``timing_s/step``, peak memory the run's ``perf/max_memory_allocated_gb`` (peak RSS on CPU).
+
+Two sweeps: response length T at 8 sequences, and sequences at T = 64. ``--packed`` runs the length
+sweep again with ``model.use_remove_padding=True`` (packed rows). For each sweep the memory growth
+exponent k is fitted to ``mem = a + b * x**k`` (a: the process's fixed footprint); k near 2 in T means
+something materialises a T x T tensor. A PNG (matplotlib) plots both sweeps against an ideal linear
+line through the first point. The CPU point sets keep the run short on a shared 2-core machine
+(:data:`TINY_POINTS`, :data:`POINTS_05B`); the 0.5B shape stops at 256 tokens x 32 sequences there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.cli_run import measured_steps, run_cli
+from bench.common import RESULTS_DIR, BenchResult, bench_main
+
+N = 4  # samples per prompt: a point of S sequences is S / N prompts
+# (lengths at 8 sequences, sequence counts at T=64)
+TINY_POINTS = ((64, 256, 1024), (8, 32, 128))  # the full range in x4 steps: 3 points a sweep keep CPU runs short
+POINTS_05B = ((64, 128, 256), (8, 16, 32))
+QUICK_POINTS = ((16, 32), (4, 8))
+SWEEP_BATCH, SWEEP_LENGTH = 8, 64  # the fixed coordinate of each sweep
+FLAT_FRACTION = 0.02  # memory that moves less than this over a sweep is flat (exponent 0): the fit would be noise
+MEMORY_EXPONENT_MAX = 1.5  # above this a sweep's memory grows faster than linearly: reported as a miss
+TIMEOUT_S = 1200.0
+
+
+def point_keys(model: str, train: str, length: int, seqs: int, rollout: str, packed: bool) -> list[str]:
+    prompts = max(1, seqs // N)
+    n = seqs // prompts
+    return [
+        "algorithm.adv_estimator=grpo", f"data.train_files={train}", f"data.train_batch_size={prompts}",
+        f"data.max_response_length={length}", f"actor_rollout_ref.model.path={model}",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={seqs}",
+        "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        f"actor_rollout_ref.rollout.name={rollout}", f"actor_rollout_ref.rollout.n={n}",
+        "actor_rollout_ref.rollout.ignore_eos=True", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.total_training_steps=2",
+        "trainer.val_before_train=False",
+    ] + (["actor_rollout_ref.model.use_remove_padding=True"] if packed else [])
+
+
+def fit_exponent(xs: list[float], ys: list[float]) -> float:
+    """k of the least-squares fit ``y = a + b * x**k`` (k on a 0.01 grid in [0.25, 3]); 0 when y is flat."""
+    import numpy as np
+
+    if max(ys) - min(ys) < FLAT_FRACTION * min(ys):
+        return 0.0
+
+    x, y = np.asarray(xs, float), np.asarray(ys, float)
+    best = (math.inf, float("nan"))
+    for k in np.arange(0.25, 3.0001, 0.01):
+        design = np.stack([np.ones_like(x), x**k], 1)
+        coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+        if coef[1] <= 0:
+            continue
+        err = float(((design @ coef - y) ** 2).sum())
+        best = min(best, (err, float(k)))
+    return best[1]
+
+
+def plot(rows: list[dict], path: Path) -> str | None:
+    """Step time and memory per sweep, with the ideal linear line through each sweep's first point."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    sweeps = list(dict.fromkeys(r["sweep"] for r in rows))
+    fig, axes = plt.subplots(2, len(sweeps), figsize=(5 * len(sweeps), 8), squeeze=False)
+    for col, sweep in enumerate(sweeps):
+        pts = [r for r in rows if r["sweep"] == sweep]
+        xs = [r["x"] for r in pts]
+        for row, (key, unit) in enumerate((("step_s", "s/step"), ("peak_memory_gb", "peak memory (GB)"))):
+            ax = axes[row][col]
+            ys = [r[key] for r in pts]
+            ax.plot(xs, ys, "o-", label="measured")
+            if key == "peak_memory_gb" and len(xs) > 1:  # the first two points' slope, kept (fixed footprint + linear)
+                slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
+                ax.plot(xs, [ys[0] + slope * (x - xs[0]) for x in xs], "--", label="ideal linear")
+            else:
+                ax.plot(xs, [ys[0] * x / xs[0] for x in xs], "--", label="ideal linear")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log" if key == "step_s" else "linear")
+            ax.set_xlabel(pts[0]["x_name"])
+            ax.set_ylabel(unit)
+            ax.set_title(sweep)
+            ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return None
+
+
+def run(quick: bool = False, model: str = "tiny", rollout: str = "hf", packed: bool = False,
+        png: Path | None = None, threads: int = 2) -> BenchResult:
+    """Step time and peak memory against response length and batch size (grpo_npu's CLI, CPU)."""
+    from grpo_npu.data.synthetic import write_synthetic
+    from grpo_npu.models.tiny import QWEN2_5_0_5B_SHAPE, TINY, build_tiny_model
+
+    lengths, batches = QUICK_POINTS if quick else (POINTS_05B if model == "0.5b" else TINY_POINTS)
+    path = str(build_tiny_model(spec=QWEN2_5_0_5B_SHAPE if model == "0.5b" else TINY))
+    sweeps = [("length", "response tokens T", [(t, SWEEP_BATCH, False) for t in lengths])]
+    if packed:
+        sweeps.append(("length, packed", "response tokens T", [(t, SWEEP_BATCH, True) for t in lengths]))
+    sweeps.append(("batch", "sequences", [(SWEEP_LENGTH, s, False) for s in batches]))
+    result = BenchResult(name="scaling" if model == "tiny" else f"scaling_{model}")
+    root = Path(tempfile.mkdtemp(prefix="bench-scaling-"))
+    try:
+        train = write_synthetic(str(root / "data"), train_size=max(batches) // N, test_size=1, write_sft=False)
+        for sweep, x_name, points in sweeps:
+            for length, seqs, pack in points:
+                keys = point_keys(path, str(train["train"]), length, seqs, rollout, pack)
+                tag = f"{sweep.replace(', ', '_')}_{length}x{seqs}"
+                measured = measured_steps(run_cli(keys, root / tag, threads, TIMEOUT_S, f"scaling-{tag}"), seqs)
+                result.rows.append({"sweep": sweep, "x_name": x_name, "x": length if sweep != "batch" else seqs,
+                                    "response_len": length, "sequences": seqs, "step_s": min(measured["step_s"]),
+                                    "cpu_s": min(c for c in measured["cpu_s"] if c is not None),
+                                    "update_s": min(s["update"] for s in measured["sections"]),
+                                    "gen_s": min(s["gen"] for s in measured["sections"]),
+                                    "peak_memory_gb": measured["peak_memory_gb"]})
+                print(result.rows[-1], flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for sweep, _, _ in sweeps:
+        pts = [r for r in result.rows if r["sweep"] == sweep]
+        xs = [r["x"] for r in pts]
+        k_mem = fit_exponent(xs, [r["peak_memory_gb"] for r in pts])
+        k_time = math.log(pts[-1]["step_s"] / pts[0]["step_s"]) / math.log(xs[-1] / xs[0])
+        mems = [r["peak_memory_gb"] for r in pts]
+        result.notes.append(f"{sweep}: peak memory {mems[0]:.3f} -> {mems[-1]:.3f} GB, fitted a + b*x^{k_mem:.2f} "
+                            f"(0 = flat: under {FLAT_FRACTION:.0%} change); step time grew x^{k_time:.2f} overall "
+                            f"({xs[0]} -> {xs[-1]})")
+        result.add_target(f"memory_exponent_{sweep.replace(', ', '_')}", k_mem, MEMORY_EXPONENT_MAX,
+                          higher_is_better=False)
+    png = png or RESULTS_DIR / f"{result.name}.png"
+    missing = plot(result.rows, png)
+    result.notes.append(missing or f"plot: {png.name} (dashed: ideal linear through the first point)")
+    result.notes.append(f"model {model}, rollout {rollout}, {N} samples per prompt, one micro-batch per step, "
+                        f"fixed-length responses, {threads} thread(s); length sweep at {SWEEP_BATCH} sequences, batch sweep "
+                        f"at T={SWEEP_LENGTH}; points {lengths} / {batches} chosen to keep a CPU run short")
+    if quick:
+        result.notes.append("quick sizes: exponents are indicative only")
+    return result
+
+
+def main(argv: list[str] | None = None) -> BenchResult:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model", default="tiny", choices=("tiny", "0.5b"))
+    parser.add_argument("--rollout", default="hf", choices=("hf", "vllm"))
+    parser.add_argument("--packed", action="store_true", help="also the length sweep with use_remove_padding=True")
+    parser.add_argument("--png", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run (default 2)")
+    ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+
+    def configured(quick: bool = False) -> BenchResult:
+        """Step time and peak memory against response length and batch size."""
+        return run(quick=quick, model=ours.model, rollout=ours.rollout, packed=ours.packed, png=ours.png,
+                   threads=ours.threads)
+
+    return bench_main(configured, rest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""bench.scaling's exponent fit and point keys, bench.cli_run's step reading, bench.report's README block."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench import cli_run, report, scaling
+
+
+@pytest.mark.parametrize("k", [1.0, 2.0, 0.5])
+def test_memory_exponent_fit_recovers_the_power(k):
+    xs = [64, 128, 256, 512, 1024]
+    assert scaling.fit_exponent(xs, [1.5 + (x / 1024) ** k for x in xs]) == pytest.approx(k, abs=0.02)
+
+
+def test_flat_memory_has_exponent_zero():
+    assert scaling.fit_exponent([64, 256, 1024], [1.118, 1.1183, 1.1185]) == 0.0
+
+
+def test_scaling_points_are_valid_command_lines(tmp_path, tiny_model_path):
+    from grpo_npu.config import derive, load_config
+
+    keys = scaling.point_keys(tiny_model_path, "train.parquet", 256, 32, "hf", packed=True)
+    cfg = load_config(keys + [f"data.train_files={tmp_path}", f"trainer.default_local_dir={tmp_path}"])
+    d = derive(cfg, world_size=1)
+    assert d.train_batch_responses == d.micro_batch_per_rank == 32 and d.response_length == 256
+    assert cfg.actor_rollout_ref.model.use_remove_padding and cfg.actor_rollout_ref.rollout.ignore_eos
+
+
+def test_measured_steps_drop_the_warm_up_step():
+    rows = [{"timing_s/step": s, "timing_s/gen": 0.5 * s, "timing_s/update_actor": 0.25 * s, "timing_s/ref": 0.1,
+             "perf/total_num_tokens": 100.0, "response_length/mean": 8.0, "perf/max_memory_allocated_gb": m}
+            for s, m in ((9.0, 1.0), (2.0, 1.5), (4.0, 1.2))]
+    out = cli_run.measured_steps({"rows": rows, "cpu_s": [8.0, 3.0, None], "process_s": 20.0}, samples=4)
+    assert out["step_s"] == [2.0, 4.0] and out["cpu_s"] == [3.0, None] and out["peak_memory_gb"] == 1.5
+    assert out["sections"][0] == {"gen": 1.0, "score": 0.1, "update": 0.5, "other": pytest.approx(0.4)}
+    assert out["response_tokens"] == [32.0, 32.0]
+    with pytest.raises(RuntimeError, match="no timed step"):
+        cli_run.measured_steps({"rows": rows[:1], "cpu_s": [1.0], "process_s": 1.0}, samples=4)
+
+
+def test_watch_records_cpu_when_each_metrics_line_appears(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    script = ("import time, sys\nf = open(sys.argv[1], 'a')\nfor i in range(2):\n"
+              "    t = time.process_time()\n    while time.process_time() - t < 0.3: pass\n"
+              "    f.write('{}\\n'); f.flush()\n    time.sleep(0.3)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(metrics)])
+    seen = cli_run._watch(proc, metrics, timeout_s=60)
+    assert set(seen) == {0, 1, 2}
+    assert 0.25 < seen[2] - seen[1] < 1.0  # the second line's busy loop, not its sleep
+
+
+def _result(name, quick=False, measured=2.0):
+    return {"name": name, "rows": [{}], "notes": [], "meta": {"quick": quick, "measured_at": "2026-11-26"},
+            "targets": {"x_vs_y": {"measured": measured, "target": ">= 1.5", "passed": measured >= 1.5}}}
+
+
+def test_report_rewrites_and_checks_the_readme_block(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "a.json").write_text(json.dumps(_result("a")))
+    (results / "b.json").write_text(json.dumps(_result("b", measured=1.0)))
+    (results / "q.json").write_text(json.dumps(_result("q", quick=True)))  # quick sizes never reach the README
+    (results / "summary.json").write_text(json.dumps(_result("summary")))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.START}\nold\n{report.END}\nrest\n")
+    args = ["--results", str(results), "--readme-path", str(readme)]
+    assert report.main(args + ["--check"]) == 1
+    assert report.main(args + ["--readme"]) == 0
+    assert report.main(args + ["--check"]) == 0
+    text = readme.read_text()
+    assert "| `bench.a` | x_vs_y | 2 | >= 1.5 | yes |" in text and "| `bench.b` | x_vs_y | 1 | >= 1.5 | **no** |" in text
+    assert "bench.q" not in text and "bench.summary" not in text
+    assert text.startswith("intro\n") and text.endswith("rest\n")
+
+
+def test_the_readme_table_is_up_to_date():
+    assert report.main(["--check"]) == 0, "run python -m bench.report --readme"
