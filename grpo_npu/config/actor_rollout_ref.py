@@ -74,7 +74,13 @@ class ModelConfig:
     use_liger: bool = False
     """Kept for verl compatibility (Liger kernels are CUDA-only); must stay False."""
     lora_rank: int = 0
-    """LoRA rank (0: full fine-tuning; LoRA is not implemented)."""
+    """LoRA rank of PEFT adapters on the actor (0: full fine-tuning; > 0: only the adapters train, the reference is the base)."""
+    lora_alpha: int = 16
+    """LoRA scaling numerator (the update is alpha / rank x B A)."""
+    target_modules: List[str] = many(["all-linear"])
+    """Modules that get adapters: all-linear (every linear layer but the LM head) or a list of names (e.g. [q_proj,v_proj])."""
+    exclude_modules: Optional[str] = None
+    """Regex of module names to leave without adapters (PEFT exclude_modules)."""
     trust_remote_code: bool = False
     """Allow models with custom code."""
     dtype: str = choice("auto", DTYPE_NAMES)
@@ -243,6 +249,8 @@ class RolloutConfig:
     """Sleep level 1 (weights to host) or 2 (discard); None: 1 on NPU, 2 elsewhere."""
     load_format: str = choice("dummy_dtensor", LOAD_FORMATS)
     """How the engine loads weights; dummy* means random, then synced from the actor."""
+    layered_summon: bool = False
+    """verl's layer-by-layer gather for the LoRA sync; the sync here always gathers one tensor at a time (True = False)."""
     tensor_model_parallel_size: int = 2
     """Tensor parallel size of the engine."""
     max_num_batched_tokens: int = 8192

@@ -83,7 +83,13 @@ def validate(cfg: Config) -> None:
             f"actor_rollout_ref.actor.optim.lr_warmup_steps_ratio={actor.optim.lr_warmup_steps_ratio} must be in [0, 1]")
 
     # Features whose keys verl has but this trainer does not implement: refuse loudly.
-    require(model.lora_rank == 0, "actor_rollout_ref.model.lora_rank > 0: LoRA is not implemented; use 0")
+    require(model.lora_rank >= 0, f"actor_rollout_ref.model.lora_rank={model.lora_rank} must be >= 0 (0: full fine-tuning)")
+    if model.lora_rank > 0:
+        require(model.lora_alpha > 0, f"actor_rollout_ref.model.lora_alpha={model.lora_alpha} must be > 0 with LoRA")
+        require(len(model.target_modules) > 0, "actor_rollout_ref.model.target_modules is empty: name modules or all-linear")
+        require("all-linear" not in model.target_modules or len(model.target_modules) == 1,
+                f"actor_rollout_ref.model.target_modules={list(model.target_modules)}: all-linear stands alone "
+                "(or list module names)")
     require(not model.use_liger, "actor_rollout_ref.model.use_liger=True: Liger kernels are not used; "
             "use actor_rollout_ref.model.use_fused_kernels=True for grpo_npu.ops")
     require(not model.enable_activation_offload,
