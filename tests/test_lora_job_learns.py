@@ -16,10 +16,12 @@ pytestmark = pytest.mark.slow
 
 LEARNING_MARGIN = 0.04  # the default job's margin (its measured gain is +0.076, one-validation noise ~0.016 std)
 VAL_KEY = "val-core/openai/gsm8k/reward/mean@4"
-# LoRA needs a larger step than full fine-tuning (the default job's lr is 5e-4), as in verl's LoRA examples
+# On this 128-wide model an AdamW step of lr on B moves each merged weight by about alpha/r x r x E|A| x lr
+# ~ 2.8 lr (|A| ~ 1/(2 sqrt(128))), so a LoRA lr BELOW the full fine-tuning 5e-4 gives a comparable step:
+# lr=2e-3 made the KL loss reach 0.3 in five steps with no reward gain (measured); 3e-4 is used.
 LORA_OVERRIDES = [
     "actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.lora_alpha=64",
-    "actor_rollout_ref.model.target_modules=all-linear", "actor_rollout_ref.actor.optim.lr=2e-3",
+    "actor_rollout_ref.model.target_modules=all-linear", "actor_rollout_ref.actor.optim.lr=3e-4",
 ]
 
 
