@@ -194,7 +194,7 @@ class RefConfig:
     log_prob_max_token_len_per_gpu: Optional[int] = None
     """Token budget per packed micro-batch (None: actor.ppo_max_token_len_per_gpu)."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
-    """FSDP2 settings of the frozen reference policy."""
+    """FSDP2 settings of the frozen reference policy (with LoRA there is none: the reference is the actor's module)."""
     ulysses_sequence_parallel_size: int = 1
     """Sequence parallelism (not implemented; must be 1)."""
 
