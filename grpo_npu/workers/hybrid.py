@@ -92,6 +92,9 @@ class HybridWorker:
         self.actor = Actor(actor_module, dev, arr.actor, d, remove_padding=model.use_remove_padding,
                            temperature=arr.rollout.temperature, total_steps=total_steps, seed=cfg.trainer.seed,
                            share_prefix=model.share_prompt_prefix)
+        if self.lora is not None and self.rank == 0:
+            trainable, total = lora.num_params(actor_module)
+            log.info("LoRA rank %d: %d of %d parameters (this rank's shards) train", self.lora.rank, trainable, total)
         if d.use_reference and self.lora is not None:
             self.ref = lora.BasePolicy(self.actor)  # the base model is the actor with its adapters off
         elif d.use_reference:
