@@ -3,7 +3,7 @@
 Each check raises :class:`grpo_npu.errors.UserError` with one line naming the key, the file and what was
 expected, so a wrong path costs a second instead of a model load and a 30-line traceback from a worker.
 Covered: model directories (exists, has config.json of a causal-LM architecture transformers knows, and a
-tokenizer), the run directory (writable), logger packages (importable), the custom reward function
+tokenizer), the run directory (writable), logger packages and peft for LoRA (importable), the custom reward function
 (importable, callable with verl's keyword arguments).
 """
 
@@ -114,4 +114,7 @@ def check_inputs(cfg, *, use_critic: bool) -> None:
             check_model_dir("critic.model.path", cfg.critic.model.path, need_tokenizer=False)
     check_writable_dir("trainer.default_local_dir", cfg.trainer.default_local_dir)
     check_loggers(cfg.trainer.logger)
+    if model.lora_rank > 0 and importlib.util.find_spec("peft") is None:
+        raise UserError(f"actor_rollout_ref.model.lora_rank={model.lora_rank} needs the peft package: "
+                        "pip install 'grpo_npu[lora]' (or set lora_rank=0 for full fine-tuning)")
     check_reward_function(cfg.custom_reward_function.path, cfg.custom_reward_function.name)

@@ -93,8 +93,12 @@ def test_bad_type_and_bad_value_messages():
         load_config(BASE + ["actor_rollout_ref.actor.clip_ratio_c=0.5"])
     with pytest.raises(ConfigError, match=r"filter_groups\.metric=None"):
         load_config(BASE + ["algorithm.filter_groups.enable=True"])
-    with pytest.raises(ConfigError, match=r"not supported by grpo_npu: actor_rollout_ref\.model\.lora_rank=8 \(LoRA\)"):
-        load_config(BASE + ["actor_rollout_ref.model.lora_rank=8"])
+    with pytest.raises(ConfigError, match=r"lora_rank=-1 must be >= 0"):
+        load_config(BASE + ["actor_rollout_ref.model.lora_rank=-1"])
+    with pytest.raises(ConfigError, match=r"lora_alpha=0 must be > 0"):
+        load_config(BASE + ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=0"])
+    with pytest.raises(ConfigError, match=r"all-linear stands alone"):
+        load_config(BASE + ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[all-linear,q_proj]"])
     with pytest.raises(ConfigError, match=r"is a config section"):
         load_config(BASE + ["trainer=3"])
     with pytest.raises(ConfigError, match=r"not key=value"):

@@ -93,3 +93,20 @@ def test_reward_function_checks(tmp_path, source, expect):
     with pytest.raises(UserError) as err:
         check_reward_function(str(path), "compute_score")
     assert expect in _one_line(err)
+
+
+def test_lora_without_peft_is_refused_before_workers_start(monkeypatch, tiny_model_path, tmp_path):
+    import importlib.util
+
+    from grpo_npu.config import load_config
+    from grpo_npu.input_checks import check_inputs
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    base = [f"actor_rollout_ref.model.path={tiny_model_path}", f"trainer.default_local_dir={tmp_path}",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "trainer.n_gpus_per_node=1"]
+    check_inputs(load_config(base), use_critic=False)  # full fine-tuning needs no peft
+    with pytest.raises(UserError) as err:
+        check_inputs(load_config(base + ["actor_rollout_ref.model.lora_rank=8"]), use_critic=False)
+    assert _one_line(err) == ("actor_rollout_ref.model.lora_rank=8 needs the peft package: "
+                              "pip install 'grpo_npu[lora]' (or set lora_rank=0 for full fine-tuning)")

@@ -150,9 +150,13 @@ def test_ppo_with_critic_and_hf_rollout(tiny_model_path, task, tmp_path):
     assert_trained(tiny_model_path, run_dir, steps=2)
 
 
-def test_resume_equals_uninterrupted(tiny_model_path, task, tmp_path):
+@pytest.mark.parametrize("lora", [(), ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=32",
+                                         "actor_rollout_ref.actor.optim.lr=1e-3")], ids=["full", "lora"])
+def test_resume_equals_uninterrupted(tiny_model_path, task, tmp_path, lora):
+    if lora:
+        pytest.importorskip("peft")
     common = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=hf",
-              "actor_rollout_ref.actor.use_kl_loss=True", "trainer.save_freq=2"]
+              "actor_rollout_ref.actor.use_kl_loss=True", "trainer.save_freq=2", *lora]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(overrides(tiny_model_path, task, straight, *common, "trainer.total_training_steps=4"))
     run(overrides(tiny_model_path, task, resumed, *common, "trainer.total_training_steps=2"))  # "killed" after 2

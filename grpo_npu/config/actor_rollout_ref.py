@@ -74,7 +74,13 @@ class ModelConfig:
     use_liger: bool = False
     """Kept for verl compatibility (Liger kernels are CUDA-only); must stay False."""
     lora_rank: int = 0
-    """LoRA rank (0: full fine-tuning; LoRA is not implemented)."""
+    """LoRA rank of PEFT adapters on the actor (0: full fine-tuning; > 0: only the adapters train, the reference is the base)."""
+    lora_alpha: int = 16
+    """LoRA scaling numerator (the update is alpha / rank x B A)."""
+    target_modules: List[str] = many(["all-linear"])
+    """Modules that get adapters: all-linear (every linear layer but the LM head) or a list of names (e.g. [q_proj,v_proj])."""
+    exclude_modules: Optional[str] = None
+    """Regex of module names to leave without adapters (PEFT exclude_modules)."""
     trust_remote_code: bool = False
     """Allow models with custom code."""
     dtype: str = choice("auto", DTYPE_NAMES)
@@ -190,7 +196,7 @@ class RefConfig:
     log_prob_max_token_len_per_gpu: Optional[int] = None
     """Token budget per packed micro-batch (None: actor.ppo_max_token_len_per_gpu)."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
-    """FSDP2 settings of the frozen reference policy."""
+    """FSDP2 settings of the frozen reference policy (with LoRA there is none: the reference is the actor's module)."""
     ulysses_sequence_parallel_size: int = 1
     """Sequence parallelism (not implemented; must be 1)."""
 

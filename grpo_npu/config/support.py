@@ -40,7 +40,7 @@ FSDP_TURBO = "the fsdp_turbo engine"
 SEQUENCE_PARALLEL = "sequence parallelism (Ulysses)"
 VISION = "vision-language data (images, videos, audio)"
 ROLLOUT_CORRECTION = "rollout correction (algorithm.rollout_correction)"
-LORA = "LoRA"
+LORA_CRITIC = "LoRA on the critic (the actor takes actor_rollout_ref.model.lora_rank)"
 QAT = "quantization-aware training"
 MTP = "multi-token prediction"
 MULTI_TURN = "multi-turn, tool-calling and agent-loop rollouts"
@@ -130,9 +130,14 @@ RULES: tuple[Rule, ...] = tuple([
              "recomputes them)", "algorithm.rollout_correction.bypass_mode", accepted=(False,)),
     *_refuse("a bypass-mode loss other than ppo_clip", "algorithm.rollout_correction.loss_type", accepted=("ppo_clip",)),
     *_refuse(ROLLOUT_CORRECTION, "algorithm.rollout_correction.*"),
-    *_refuse(LORA, "actor_rollout_ref.model.lora_rank", accepted=(0,)),
-    *_refuse(LORA, "actor_rollout_ref.model.lora.*", "actor_rollout_ref.model.lora_*",
-             "actor_rollout_ref.model.target_modules", "actor_rollout_ref.model.exclude_modules"),
+    # verl's layered_summon gathers FSDP weights one layer at a time for a LoRA sync; grpo_npu's sync
+    # always gathers one tensor at a time (workers/fsdp.py::iter_full_state_dict), so either value holds.
+    *_refuse("", "actor_rollout_ref.rollout.layered_summon", accepted=(False, True)),
+    *_refuse("starting from a saved LoRA adapter", "actor_rollout_ref.model.lora_adapter_path", accepted=(None,)),
+    *_refuse("the Megatron engine's LoRA block (FSDP LoRA: actor_rollout_ref.model.lora_rank / lora_alpha / "
+             "target_modules)", "actor_rollout_ref.model.lora.*"),
+    *_refuse(LORA_CRITIC, "critic.model.lora_*", "critic.model.lora.*", "critic.model.target_modules",
+             "critic.model.exclude_modules"),
     *_refuse(QAT, "*.qat", "*.qat.*"),
     *_refuse(MTP, "actor_rollout_ref.model.mtp.*", "actor_rollout_ref.rollout.mtp"),
     *_refuse(MULTI_TURN, "actor_rollout_ref.rollout.multi_turn.*", "actor_rollout_ref.rollout.agent.*",

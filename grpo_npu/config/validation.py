@@ -89,6 +89,13 @@ def validate(cfg: Config) -> None:
             f"actor_rollout_ref.actor.optim.lr_warmup_steps_ratio={actor.optim.lr_warmup_steps_ratio} must be in [0, 1]")
 
     # Keys kept for verl's command lines that act on one value only: grpo_npu/config/support.py (RULES).
+    require(model.lora_rank >= 0, f"actor_rollout_ref.model.lora_rank={model.lora_rank} must be >= 0 (0: full fine-tuning)")
+    if model.lora_rank > 0:
+        require(model.lora_alpha > 0, f"actor_rollout_ref.model.lora_alpha={model.lora_alpha} must be > 0 with LoRA")
+        require(len(model.target_modules) > 0, "actor_rollout_ref.model.target_modules is empty: name modules or all-linear")
+        require("all-linear" not in model.target_modules or len(model.target_modules) == 1,
+                f"actor_rollout_ref.model.target_modules={list(model.target_modules)}: all-linear stands alone "
+                "(or list module names)")
     require(alg.kl_penalty not in ("full",), "algorithm.kl_penalty=full is not defined for token log-probs")
 
     # DAPO

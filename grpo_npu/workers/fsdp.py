@@ -254,12 +254,13 @@ def _tied_aliases(module: nn.Module) -> set[str]:
 
 def export_hf(
     module: nn.Module, out_dir: str, *, tokenizer_path: str | None, dtype: torch.dtype | None = None,
-    shard_bytes: int = EXPORT_SHARD_BYTES,
+    shard_bytes: int = EXPORT_SHARD_BYTES, tensors: Iterator[tuple[str, torch.Tensor]] | None = None,
 ) -> None:
     """Write ``module`` (an HF PreTrainedModel, possibly sharded) as a from_pretrained-loadable directory.
 
-    All ranks gather; rank 0 writes safetensors files of at most ``shard_bytes`` each (each file
-    written to a temporary name, then renamed), the index, the config and the tokenizer.
+    All ranks gather (``tensors``, on the host, instead of the module's own: LoRA's merged weights); rank 0
+    writes safetensors files of at most ``shard_bytes`` each (temporary name, then renamed), the index, the
+    config and the tokenizer.
     """
     rank0 = dist.get_rank() == 0 if dist.is_initialized() else True
     skip = _tied_aliases(module)
@@ -279,7 +280,7 @@ def export_hf(
         files.append((name, list(bucket)))
         bucket, size = {}, 0
 
-    for name, full in iter_full_state_dict(module, dtype=dtype, device="cpu"):
+    for name, full in tensors if tensors is not None else iter_full_state_dict(module, dtype=dtype, device="cpu"):
         if not rank0 or name in skip:
             continue
         nbytes = full.numel() * full.element_size()
@@ -298,8 +299,7 @@ def export_hf(
             final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
             os.replace(os.path.join(out_dir, name), os.path.join(out_dir, final))
             weight_map.update({k: final for k in keys})
-        write_json(os.path.join(out_dir, SAFETENSORS_INDEX), {"metadata": {}, "weight_map": weight_map}, indent=2,
-                   sort_keys=True)
+        write_json(os.path.join(out_dir, SAFETENSORS_INDEX), {"metadata": {}, "weight_map": weight_map}, indent=2, sort_keys=True)
     config = copy.deepcopy(module.config)  # the live model's config stays as it is
     if dtype is not None:
         config.dtype = dtype

@@ -27,7 +27,7 @@ from grpo_npu.determinism import make_deterministic
 from grpo_npu.device import get_device
 from grpo_npu.rollout import MemoryLedger, build_rollout, run_rollout_step
 from grpo_npu.rollout.sync_check import SyncCheck, default_threshold
-from grpo_npu.workers import fsdp
+from grpo_npu.workers import fsdp, lora
 from grpo_npu.workers.actor import Actor, Policy
 from grpo_npu.workers.critic import Critic, ValueHead
 from grpo_npu.workers.response_model import CausalLMLogProbs, build_sharded, compute_dtype_of, fused_kernels_on
@@ -86,17 +86,23 @@ class HybridWorker:
             make_deterministic()  # before any model, kernel handle or engine exists in this process
         fused = fused_kernels_on(model, dev)
         onednn = model.use_onednn_linear  # the critic shares it: one switch for the CPU matmul path
+        self.lora = lora.LoraSettings.of(model)
         actor_module = build_sharded(
             CausalLMLogProbs, path=model.path, override_config=dict(model.override_config),
             trust_remote_code=model.trust_remote_code, fsdp_cfg=arr.actor.fsdp_config, dev=dev,
             compute_dtype=compute_dtype_of(model, arr.actor.fsdp_config, dev), trainable=True,
             gradient_checkpointing=model.enable_gradient_checkpointing, fused_kernels=fused, seed=cfg.trainer.seed,
-            shared_prefix=model.share_prompt_prefix, onednn_linear=onednn,
+            shared_prefix=model.share_prompt_prefix, onednn_linear=onednn, lora=self.lora,
         )
         self.actor = Actor(actor_module, dev, arr.actor, d, remove_padding=model.use_remove_padding,
                            temperature=arr.rollout.temperature, total_steps=total_steps, seed=cfg.trainer.seed,
                            share_prefix=model.share_prompt_prefix)
-        if d.use_reference:
+        if self.lora is not None and self.rank == 0:
+            trainable, total = lora.num_params(actor_module)
+            log.info("LoRA rank %d: %d of %d parameters (this rank's shards) train", self.lora.rank, trainable, total)
+        if d.use_reference and self.lora is not None:
+            self.ref = lora.BasePolicy(self.actor)  # the base model is the actor with its adapters off
+        elif d.use_reference:
             ref_module = build_sharded(
                 CausalLMLogProbs, path=model.path, override_config=dict(model.override_config),
                 trust_remote_code=model.trust_remote_code, fsdp_cfg=arr.ref.fsdp_config, dev=dev,
@@ -162,6 +168,8 @@ class HybridWorker:
 
     def rollout_weights(self):
         """The actor's weights as (HF name, full tensor) in the engine's dtype, gathered one at a time."""
+        if self.lora is not None:  # every engine takes merged weights under the base names (workers/lora.py)
+            return lora.iter_merged_state_dict(self._need("actor").module.hf, dtype=self.engine_dtype())
         return fsdp.iter_full_state_dict(self._need("actor").module.hf, dtype=self.engine_dtype())
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling, step: int = 0) -> Any:
@@ -224,7 +232,10 @@ class HybridWorker:
             with params_on(self.critic.module, self.dev, self.critic.param_offload):
                 fsdp.save_sharded(os.path.join(out_dir, CRITIC_DIR), self.critic.module, self.critic.loop.optimizer,
                                   self.critic.loop.state_extra())
-        if "hf_model" in contents:
+        if self.lora is not None:  # verl's actor/lora_adapter: the PEFT directory, with every checkpoint
+            with params_on(actor.module, self.dev, actor.param_offload):
+                lora.export_adapter(actor.module.hf, os.path.join(out_dir, ACTOR_DIR, lora.ADAPTER_DIR))
+        if "hf_model" in contents:  # with LoRA: the merged weights
             self.export_hf(os.path.join(out_dir, ACTOR_DIR, "huggingface"))
 
     def load_checkpoint(self, in_dir: str) -> int:
@@ -247,12 +258,15 @@ class HybridWorker:
         return int(extra["step"])
 
     def export_hf(self, out_dir: str, dtype: str | None = None) -> None:
-        """The actor as a from_pretrained-loadable directory (rank 0 writes; all ranks gather)."""
+        """The actor as a from_pretrained-loadable directory (rank 0 writes; all ranks gather); LoRA: merged."""
         model = self.cfg.actor_rollout_ref.model
         actor = self._need("actor")
+        torch_dtype = fsdp.resolve_dtype(dtype, self.dev) if dtype else None
         with params_on(actor.module, self.dev, actor.param_offload):
+            merged = (lora.iter_merged_state_dict(actor.module.hf, dtype=torch_dtype, device="cpu")
+                      if self.lora is not None else None)
             fsdp.export_hf(actor.module.hf, out_dir, tokenizer_path=model.tokenizer_path or model.path,
-                           dtype=fsdp.resolve_dtype(dtype, self.dev) if dtype else None)
+                           dtype=torch_dtype, tensors=merged)
         dist.barrier()
 
     def memory_stats(self) -> dict[str, float]:

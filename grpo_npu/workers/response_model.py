@@ -20,7 +20,7 @@ from grpo_npu import compat
 from grpo_npu.config import FSDPConfig, ModelConfig
 from grpo_npu.device import Device
 from grpo_npu.ops import PATCHABLE_OPS, linear_logprobs, patch_model
-from grpo_npu.workers import fsdp
+from grpo_npu.workers import fsdp, lora as lora_lib
 from grpo_npu.workers.model_inputs import ModelInputs, scatter_valid
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ def build_sharded(
     seed: int = 0,
     shared_prefix: bool = False,
     onednn_linear: bool = False,
+    lora: lora_lib.LoraSettings | None = None,
 ) -> ResponseModel:
     """Load (rank 0 reads, others meta), patch, checkpoint, wrap and shard an HF model; weights from rank 0."""
     master_dtype = fsdp.resolve_dtype(fsdp_cfg.model_dtype, dev) if trainable else compute_dtype
@@ -107,6 +108,8 @@ def build_sharded(
     torch.manual_seed(seed)  # a freshly initialised value head is the same wherever it is built
     hf_model = fsdp.load_hf_model(path, config, dtype=master_dtype, value_head=value_head,
                                   trust_remote_code=trust_remote_code)
+    if lora is not None:  # before the ops patch: the fused MLP must see the wrapped projections and keep them
+        lora_lib.apply_lora(hf_model, lora)
     # Shared-prompt packing needs the grpo_npu attention (kv_index) even without the other fused ops;
     # model.use_onednn_linear routes the linear layers alone through grpo_npu.ops.linear.
     wanted = {"linear": onednn_linear, "attention": shared_prefix}
@@ -115,7 +118,8 @@ def build_sharded(
         log.info("patched ops: %s", patch_model(hf_model, ops=patch_ops))
     if gradient_checkpointing:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    hf_model.requires_grad_(trainable)
+    if lora is None:  # with LoRA the adapters alone require grad (apply_lora froze the rest)
+        hf_model.requires_grad_(trainable)
     full_state = hf_model.state_dict() if dist.get_rank() == 0 and dist.get_world_size() > 1 else {}
     wrapper = wrapper_cls(hf_model)
     wrapper.onednn_linear = "linear" in patch_ops

@@ -36,14 +36,21 @@ def test_generate_then_log_probs_agree_with_engine(tiny_model_path):
             group.call("_need", "actor")
 
 
+# LoRA (workers/lora.py): the engine gets the merged weights W + alpha / r x B A under the base names
+LORA = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=64")
+
+
 @pytest.mark.vllm
-def test_vllm_engine_receives_the_actors_weights(tiny_model_path):
+@pytest.mark.parametrize("lora", [(), LORA], ids=["full", "lora"])
+def test_vllm_engine_receives_the_actors_weights(tiny_model_path, lora):
     """The engine starts from random (dummy) weights: only a working sync from the FSDP actor, tied
     lm_head included, makes its sampled-token log-probs equal the actor's -- before and after an update."""
     pytest.importorskip("vllm")
+    if lora:
+        pytest.importorskip("peft")
     cfg = make_cfg(tiny_model_path, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.calculate_log_probs=True",
                    "actor_rollout_ref.rollout.load_format=dummy", "actor_rollout_ref.rollout.max_num_seqs=16",
-                   "actor_rollout_ref.rollout.max_num_batched_tokens=256", "actor_rollout_ref.actor.optim.lr=0.1")
+                   "actor_rollout_ref.rollout.max_num_batched_tokens=256", "actor_rollout_ref.actor.optim.lr=0.1", *lora)
     prompts = make_batch(seed=21, rows=4)
     with LocalGroup(HybridWorker, device_kind="cpu", args=(cfg,)) as group:
         group.call("init_model", 10)

