@@ -83,8 +83,10 @@ def run_meta(quick: bool) -> dict:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"quick": quick, "measured_at": datetime.date.today().isoformat(),
-            "machine": f"{cpu} ({os.cpu_count()} CPUs), torch {torch.__version__}",
+    machine = f"{cpu} ({os.cpu_count()} CPUs), torch {torch.__version__}"
+    if torch.cuda.is_available():  # the accelerator a run may have used (bench code may name torch.cuda)
+        machine = f"{torch.cuda.get_device_name(0)}, {machine}"
+    return {"quick": quick, "measured_at": datetime.date.today().isoformat(), "machine": machine,
             "load": "load average " + "/".join(f"{x:.1f}" for x in os.getloadavg()) + " at the end"}
 
 

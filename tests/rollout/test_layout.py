@@ -19,7 +19,7 @@ class RecordingGroup:
         self.world_size = world_size
         self.calls: list = []
 
-    def call_ranks(self, method, per_rank_args):
+    def call_ranks(self, method, per_rank_args, **kwargs):
         self.calls = list(per_rank_args)
         return [(rank, ids, sampling.seed) for rank, (ids, _, sampling) in enumerate(per_rank_args)]
 
