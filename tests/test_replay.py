@@ -16,13 +16,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from grpo_npu.config import load_config
-from grpo_npu.data.synthetic import write_synthetic
 from grpo_npu.determinism import DETERMINISTIC_ENV
 from grpo_npu.errors import ConfigError
 from grpo_npu.tools.compare_runs import main as compare_main
 from grpo_npu.trainer import Trainer
 
-from .test_trainer_e2e import NONDETERMINISTIC, overrides, read_metrics, run
+from .test_trainer_e2e import NONDETERMINISTIC, overrides, read_metrics, run, task  # noqa: F401 (task: a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -43,12 +42,6 @@ def _common(task: Path) -> tuple[str, ...]:
             "actor_rollout_ref.actor.mask_truncated_completions=True", "trainer.save_freq=-1",
             f"trainer.total_training_steps={STEPS}", "data.val_files=[]")
 
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    out = tmp_path_factory.mktemp("task")
-    write_synthetic(str(out), train_size=64, test_size=8, difficulty=1, seed=0, write_sft=False)
-    return out
 
 
 @pytest.fixture(scope="module")

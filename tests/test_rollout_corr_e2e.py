@@ -7,35 +7,17 @@ same fp32 weights, so the IS weights sit at 1 and no sequence is rejected by san
 from __future__ import annotations
 
 import math
-import textwrap
 
 import pytest
 
-from grpo_npu.data.synthetic import write_synthetic
 
-from .test_trainer_e2e import assert_trained, overrides, read_metrics, run
+from .test_trainer_e2e import assert_trained, overrides, read_metrics, run, score_file, task  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
 
 KEY = "algorithm.rollout_correction"
 
 
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    out = tmp_path_factory.mktemp("task")
-    write_synthetic(str(out), train_size=64, test_size=8, difficulty=1, seed=0, write_sft=False)
-    return out
-
-
-@pytest.fixture(scope="module")
-def score_file(tmp_path_factory):
-    """A reward that varies within groups even for an untrained model, so that GRPO's advantages are not all 0."""
-    path = tmp_path_factory.mktemp("reward") / "parity_reward.py"
-    path.write_text(textwrap.dedent("""
-        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-            return float(len(solution_str) % 2)
-    """))
-    return path
 
 
 def test_grpo_with_rollout_correction_reports_verls_metrics(tiny_model_path, task, score_file, tmp_path):
