@@ -80,10 +80,14 @@ class HFRollout(Rollout):
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig) -> GenerationOutput:
         check_prompts(prompt_ids, prompt_mask)
+        # Prompts arrive left-padded to data.max_prompt_length; the columns no row uses would only lengthen
+        # every decoding step's attention and KV cache (positions come from the mask, so dropping them is exact).
+        first = int(prompt_mask.bool().any(dim=0).nonzero()[0])
+        prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]  # (B, P') with P' the longest prompt
         n = sampling.n
         device = next(self.module.parameters()).device
-        ids = prompt_ids.repeat_interleave(n, dim=0).to(device)  # (B*n, P), prompt i -> rows i*n..i*n+n-1
-        mask = prompt_mask.repeat_interleave(n, dim=0).to(device)  # (B*n, P)
+        ids = prompt_ids.repeat_interleave(n, dim=0).to(device)  # (B*n, P'), prompt i -> rows i*n..i*n+n-1
+        mask = prompt_mask.repeat_interleave(n, dim=0).to(device)  # (B*n, P')
         was_training = self.module.training
         self.module.eval()
         try:

@@ -145,3 +145,24 @@ def test_bad_prompts_are_refused(rollout, prompt_batch):
     empty[1] = 0
     with pytest.raises(ValueError, match=r"rows \[1\] are empty"):
         rollout.generate(ids, empty, SamplingConfig(max_new_tokens=2))
+
+
+def test_unused_left_padding_is_not_generated_over(rollout, prompt_batch, monkeypatch):
+    """Prompts padded to data.max_prompt_length: generate sees only the longest prompt's columns, same tokens."""
+    ids, mask = prompt_batch
+    pad = 24
+    wide_ids = torch.cat([torch.zeros(ids.shape[0], pad, dtype=ids.dtype), ids], dim=1)  # (B, pad + P)
+    wide_mask = torch.cat([torch.zeros(mask.shape[0], pad, dtype=mask.dtype), mask], dim=1)
+    widths = []
+    real = rollout.module.generate
+
+    def recording(*args, **kwargs):
+        widths.append(kwargs["input_ids"].shape[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rollout.module, "generate", recording)
+    sampling = SamplingConfig(do_sample=False, max_new_tokens=6)
+    narrow, wide = rollout.generate(ids, mask, sampling), rollout.generate(wide_ids, wide_mask, sampling)
+    longest = int(mask.sum(dim=1).max())
+    assert widths == [longest, longest]
+    assert torch.equal(narrow.response_ids, wide.response_ids)
