@@ -71,6 +71,7 @@ class HybridWorker:
         self.rollout: Any = None
         self.ledger: Any = None
         self.sync_check: SyncCheck | None = None
+        self.lora: lora.LoraSettings | None = None
 
     # -- building ---------------------------------------------------------------------------------
     def init_model(self, total_steps: int = -1) -> dict[str, bool]:
@@ -166,11 +167,17 @@ class HybridWorker:
         rollout = self.cfg.actor_rollout_ref.rollout
         return torch.float32 if not self.dev.is_accelerator else fsdp.resolve_dtype(rollout.dtype, self.dev)
 
+    def engine_weights(self):
+        """The actor's weights as the engine takes them, (HF name, full tensor) in the engine's dtype, gathered
+        one at a time; with LoRA the merged weights under the base names (workers/lora.py)."""
+        hf = self._need("actor").module.hf
+        if self.lora is not None:
+            return lora.iter_merged_state_dict(hf, dtype=self.engine_dtype())
+        return fsdp.iter_full_state_dict(hf, dtype=self.engine_dtype())
+
     def rollout_weights(self):
-        """The actor's weights as (HF name, full tensor) in the engine's dtype, gathered one at a time."""
-        if self.lora is not None:  # every engine takes merged weights under the base names (workers/lora.py)
-            return lora.iter_merged_state_dict(self._need("actor").module.hf, dtype=self.engine_dtype())
-        return fsdp.iter_full_state_dict(self._need("actor").module.hf, dtype=self.engine_dtype())
+        """The weight stream a sync sends (:meth:`engine_weights`; the canary re-reads it when bisecting)."""
+        return self.engine_weights()
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling, step: int = 0) -> Any:
         """Wake the engine, stream the actor's weights in, [check the sync], generate this rank's prompts x n, sleep.
@@ -181,10 +188,10 @@ class HybridWorker:
         if self.sync_check is not None and self.sync_check.due(step):
             self.sync_check.set_probe(prompt_ids, prompt_mask)
             hf = actor.module.hf
+            names = lora.merged_names(hf) if self.lora is not None else list(hf.state_dict().keys())
             check = lambda: self.sync_check.run(  # noqa: E731
                 step, engine=rollout, actor_logprobs=actor.teacher_forced, synced_weights=self.rollout_weights,
-                actor_weights=lambda: fsdp.iter_full_state_dict(hf, dtype=self.engine_dtype()),
-                names=list(hf.state_dict().keys()))
+                actor_weights=self.engine_weights, names=names)
         with params_on(actor.module, self.dev, actor.param_offload):
             out = run_rollout_step(
                 rollout, self.dev, self.rollout_weights(), prompt_ids, prompt_mask, sampling,

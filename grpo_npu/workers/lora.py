@@ -154,6 +154,12 @@ def iter_merged_state_dict(hf_model: nn.Module, *, dtype: Optional[torch.dtype] 
         raise RuntimeError(f"LoRA merge: incomplete layers {sorted(held)} (base weight, lora_A, lora_B expected)")
 
 
+def merged_names(hf_model: nn.Module) -> list[str]:
+    """The names :func:`iter_merged_state_dict` yields, read from the state-dict keys (nothing gathered)."""
+    return [k.replace(_BASE_LAYER + ".", ".") for k in hf_model.state_dict()
+            if not (k.endswith(_LORA_A) or k.endswith(_LORA_B))]
+
+
 def _out(name: str, t: torch.Tensor, dtype, device) -> tuple[str, torch.Tensor]:
     if dtype is not None and t.is_floating_point():
         t = t.to(dtype)

@@ -89,6 +89,7 @@ def test_merged_weights_adapter_export_and_merged_export(tiny_model_path, tmp_pa
     merged = {n: t.clone() for n, t in lora.iter_merged_state_dict(hf)}
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     assert sorted(merged) == sorted(base.state_dict())  # the base model's names, lm_head.weight (tied) included
+    assert sorted(lora.merged_names(hf)) == sorted(merged)  # the canary's bisection names, read without a gather
 
     # the merge written out by hand: W + alpha / r x B A
     live = full_weights(hf)
