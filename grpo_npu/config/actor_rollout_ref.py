@@ -64,7 +64,7 @@ class ModelConfig:
     enable_activation_offload: bool = False
     """Offload checkpointed activations to the host (not implemented; must stay False)."""
     use_remove_padding: bool = False
-    """Pack sequences without padding for log-prob and update passes."""
+    """Pack sequences without padding for log-prob and update passes (varlen attention, no (N, N) mask)."""
     use_fused_kernels: Optional[bool] = None
     """Patch the model with grpo_npu.ops fused kernels (None: on for NPU, off elsewhere)."""
     share_prompt_prefix: bool = False

@@ -81,7 +81,7 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = True
     """Recompute activations in the critic's backward."""
     use_remove_padding: bool = False
-    """Pack sequences without padding."""
+    """Pack sequences without padding (varlen attention, no (N, N) mask)."""
     trust_remote_code: bool = False
     """Allow models with custom code."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)

@@ -8,7 +8,9 @@ Ops (module -> NPU kernel):
     logprob.logprobs_from_logits torch_npu.npu_cross_entropy_loss (chunked; flash-attn CE on CUDA)
     logprob.linear_logprobs      chunked lm_head + log-softmax, logits never materialised in full
     linear.linear                (CPU) oneDNN's fp32 matmul with a hand-written backward; F.linear elsewhere
-:func:`patch_model` swaps them into a transformers Qwen2/Qwen3/Llama model (reversible; see patch.py).
+:func:`patch_model` swaps them into a transformers Qwen2/Qwen3/Llama model (reversible; see patch.py). Its
+attention's varlen path is also what packed (remove-padding) batches take on every device, so that no
+(N, N) mask over a packed micro-batch is formed.
 Importing this package never imports torch_npu and never patches anything. The functions named
 like their module (``rms_norm``, ``swiglu``, ``attention``) are imported from the module
 (``from grpo_npu.ops.attention import attention``) so that ``grpo_npu.ops.attention`` stays the module.
@@ -17,7 +19,15 @@ like their module (``rms_norm``, ``swiglu``, ``attention``) are imported from th
 from grpo_npu.ops.attention import cu_seqlens_from_lengths
 from grpo_npu.ops.dispatch import BACKENDS, backends, set_backend, use_backend
 from grpo_npu.ops.logprob import linear_logprobs, logprobs_from_logits
-from grpo_npu.ops.patch import PATCHABLE_OPS, PatchReport, PatchRow, is_patched, patch_model, unpatch_model
+from grpo_npu.ops.patch import (
+    PATCHABLE_OPS,
+    VARLEN_ATTN_IMPLEMENTATIONS,
+    PatchReport,
+    PatchRow,
+    is_patched,
+    patch_model,
+    unpatch_model,
+)
 from grpo_npu.ops.rotary import apply_rotary
 from grpo_npu.ops.swiglu import gated_mlp
 
@@ -26,6 +36,7 @@ __all__ = [
     "PATCHABLE_OPS",
     "PatchReport",
     "PatchRow",
+    "VARLEN_ATTN_IMPLEMENTATIONS",
     "apply_rotary",
     "backends",
     "cu_seqlens_from_lengths",

@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 
 PATCHABLE_OPS = ("linear", "rms_norm", "rotary", "mlp", "attention")
 ATTN_IMPLEMENTATION = "grpo_npu"
+# transformers attention implementations that read the packing (cu_seq_lens_q/k, else position ids) themselves
+# and build no mask for a packed batch: flash-attn's varlen kernels. SDPA and eager attend through a dense
+# block-diagonal (N, N) mask instead, so packed batches are switched to ATTN_IMPLEMENTATION (workers).
+VARLEN_ATTN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 # transformers model families handled here -> their class-name prefix.
 FAMILIES = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}
 _STATE_ATTR = "_grpo_npu_patch"

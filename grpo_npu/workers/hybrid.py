@@ -93,7 +93,8 @@ class HybridWorker:
             trust_remote_code=model.trust_remote_code, fsdp_cfg=arr.actor.fsdp_config, dev=dev,
             compute_dtype=compute_dtype_of(model, arr.actor.fsdp_config, dev), trainable=True,
             gradient_checkpointing=model.enable_gradient_checkpointing, fused_kernels=fused, seed=cfg.trainer.seed,
-            shared_prefix=model.share_prompt_prefix, onednn_linear=onednn, lora=self.lora,
+            shared_prefix=model.share_prompt_prefix, remove_padding=model.use_remove_padding, onednn_linear=onednn,
+            lora=self.lora,
         )
         self.actor = Actor(actor_module, dev, arr.actor, d, remove_padding=model.use_remove_padding,
                            temperature=arr.rollout.temperature, total_steps=total_steps, seed=cfg.trainer.seed,
@@ -109,7 +110,7 @@ class HybridWorker:
                 trust_remote_code=model.trust_remote_code, fsdp_cfg=arr.ref.fsdp_config, dev=dev,
                 compute_dtype=compute_dtype_of(model, arr.ref.fsdp_config, dev), trainable=False,
                 gradient_checkpointing=False, fused_kernels=fused, seed=cfg.trainer.seed,
-                shared_prefix=model.share_prompt_prefix, onednn_linear=onednn,
+                shared_prefix=model.share_prompt_prefix, remove_padding=model.use_remove_padding, onednn_linear=onednn,
             )
             self.ref = Policy(ref_module, dev, remove_padding=model.use_remove_padding,
                               temperature=arr.rollout.temperature, param_offload=arr.ref.fsdp_config.param_offload,
@@ -121,7 +122,7 @@ class HybridWorker:
                 trust_remote_code=cm.trust_remote_code, fsdp_cfg=cm.fsdp_config, dev=dev,
                 compute_dtype=compute_dtype_of(model, cm.fsdp_config, dev), trainable=True,
                 gradient_checkpointing=cm.enable_gradient_checkpointing, fused_kernels=fused, value_head=True,
-                seed=cfg.trainer.seed, onednn_linear=onednn,
+                seed=cfg.trainer.seed, remove_padding=cm.use_remove_padding, onednn_linear=onednn,
             )
             self.critic = Critic(critic_module, dev, cfg.critic, d, default_agg_mode=arr.actor.loss_agg_mode,
                                  default_epochs=arr.actor.ppo_epochs, default_dynamic_bsz=arr.actor.use_dynamic_bsz,

@@ -5,7 +5,9 @@ Shapes: b rows, T response tokens, H hidden, V vocabulary, N = valid response to
 that predict response tokens through the lm_head, and :func:`grpo_npu.ops.linear_logprobs` forms
 their logits chunk by chunk: no (N, V) fp32 log-softmax and no (b, L, V) logits exist. The critic's
 value head (:class:`grpo_npu.workers.critic.ValueHead`) is the other :class:`ResponseModel`.
-:func:`build_sharded` loads, patches and shards either kind with FSDP2.
+:func:`build_sharded` loads, patches and shards either kind with FSDP2; packed rows (model.use_remove_padding)
+always attend through the ``grpo_npu`` attention's varlen path or flash-attn's (:func:`ops_to_patch`), so
+no (N, N) mask over a packed micro-batch is ever formed: activation memory grows linearly in N.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import nn
 from grpo_npu import compat
 from grpo_npu.config import FSDPConfig, ModelConfig
 from grpo_npu.device import Device
-from grpo_npu.ops import PATCHABLE_OPS, linear_logprobs, patch_model
+from grpo_npu.ops import PATCHABLE_OPS, VARLEN_ATTN_IMPLEMENTATIONS, linear_logprobs, patch_model
 from grpo_npu.workers import fsdp, lora as lora_lib
 from grpo_npu.workers.model_inputs import ModelInputs, scatter_valid
 
@@ -98,6 +100,7 @@ def build_sharded(
     value_head: bool = False,
     seed: int = 0,
     shared_prefix: bool = False,
+    remove_padding: bool = False,
     onednn_linear: bool = False,
     lora: lora_lib.LoraSettings | None = None,
 ) -> ResponseModel:
@@ -110,10 +113,8 @@ def build_sharded(
                                   trust_remote_code=trust_remote_code)
     if lora is not None:  # before the ops patch: the fused MLP must see the wrapped projections and keep them
         lora_lib.apply_lora(hf_model, lora)
-    # Shared-prompt packing needs the grpo_npu attention (kv_index) even without the other fused ops;
-    # model.use_onednn_linear routes the linear layers alone through grpo_npu.ops.linear.
-    wanted = {"linear": onednn_linear, "attention": shared_prefix}
-    patch_ops = PATCHABLE_OPS if fused_kernels else tuple(op for op in PATCHABLE_OPS if wanted.get(op))
+    patch_ops = ops_to_patch(fused_kernels=fused_kernels, onednn_linear=onednn_linear, shared_prefix=shared_prefix,
+                             remove_padding=remove_padding, attn_implementation=config._attn_implementation)
     if patch_ops:
         log.info("patched ops: %s", patch_model(hf_model, ops=patch_ops))
     if gradient_checkpointing:
@@ -139,6 +140,24 @@ def build_sharded(
                               cpu_offload=cpu_offload)
     del full_state
     return wrapper
+
+
+def ops_to_patch(*, fused_kernels: bool, onednn_linear: bool, shared_prefix: bool, remove_padding: bool,
+                 attn_implementation: str) -> tuple[str, ...]:
+    """The grpo_npu ops :func:`build_sharded` patches into a model: all of them with fused kernels, else
+
+    - ``linear`` for model.use_onednn_linear (the CPU matmul path alone);
+    - ``attention`` for shared-prompt packing (it reads ``kv_index``) and for packed rows
+      (model.use_remove_padding), whose varlen path attends per packed sequence without any mask: SDPA
+      and eager would otherwise attend through one (N, N) block-diagonal mask over all N tokens of the
+      micro-batch. An implementation that reads ``cu_seq_lens_q/k`` itself (flash-attn's varlen kernel,
+      ``attn_implementation=flash_attention_2``) builds no mask either and is kept.
+    """
+    if fused_kernels:
+        return PATCHABLE_OPS
+    packed = remove_padding and attn_implementation not in VARLEN_ATTN_IMPLEMENTATIONS
+    wanted = {"linear": onednn_linear, "attention": shared_prefix or packed}
+    return tuple(op for op in PATCHABLE_OPS if wanted.get(op))
 
 
 def compute_dtype_of(model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, dev: Device) -> torch.dtype:

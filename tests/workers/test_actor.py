@@ -39,11 +39,11 @@ def _reference_logp(model_path: str, batch, temperature: float = 1.0, grad: bool
 
 @pytest.mark.parametrize("remove_padding,fused", [(False, False), (True, False), (True, True)])
 def test_log_probs_and_entropy_match_full_softmax(tiny_model_path, remove_padding, fused):
-    """fused: grpo_npu.ops.patch_model (reference backends on CPU; packed batches go through its varlen path)."""
+    """fused: grpo_npu.ops.patch_model (reference backends on CPU); packed batches always take its varlen attention."""
     cfg = make_cfg(tiny_model_path, f"actor_rollout_ref.model.use_remove_padding={remove_padding}",
                    f"actor_rollout_ref.model.use_fused_kernels={fused}", "actor_rollout_ref.rollout.temperature=0.7")
     worker = make_worker(cfg)
-    assert (worker.actor.module.hf.config._attn_implementation == "grpo_npu") == fused
+    assert (worker.actor.module.hf.config._attn_implementation == "grpo_npu") == (fused or remove_padding)
     batch = make_batch(seed=0)
     ref_logp, ref_entropy, _ = _reference_logp(tiny_model_path, batch, temperature=0.7)
     logp, entropy = worker.actor.log_probs(batch, micro_size=3, max_tokens=None, with_entropy=True)
