@@ -8,7 +8,7 @@ A dump holds, per step ``s``, in generation order (before the trainer balances r
   ``prompt_mask`` (B, P), ``response_ids`` / ``response_mask`` (B, T), ``token_level_scores`` (B, T) float32
   (the reward manager's scores, overlong shaping included), ``group_index`` (B,) int64 (the prompt each row
   answers, 0..B/n-1), ``rollout_logp`` (B, T) float32 when the engine returned log-probs. Metadata (strings):
-  the format, the step, the batch shape of the run that wrote it (``DUMP_SHAPE_KEYS``) and the row lists as
+  the format, the step, the batch shape of the run that wrote it (:func:`dump_shape`) and the row lists as
   JSON (uid, data_source, ground_truth, extra_info, stop_reason, reward_extra).
 
 safetensors holds tensors and strings only, so reading a dump from another machine runs no code (no pickle).
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -35,21 +35,28 @@ from grpo_npu.samples import decode_samples, write_jsonl
 
 DUMP_FORMAT = "grpo_npu.rollouts/1"
 DUMP_SUFFIX = ".safetensors"
-# The batch shape a dump must share with the run that replays it: metadata name -> the key that sets it.
-DUMP_SHAPE_KEYS = {
-    "train_batch_size": "data.train_batch_size",
-    "n": "actor_rollout_ref.rollout.n",
-    "prompt_length": "data.max_prompt_length",
-    "response_length": "data.max_response_length",
-}
 _LIST_FIELDS = ("uid", "data_source", "ground_truth", "extra_info", "stop_reason", "reward_extra")
 _TENSOR_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "token_level_scores", "rollout_logp")
 
 
-def dump_shape(cfg: Config, derived: Derived) -> dict[str, int]:
-    """The values of DUMP_SHAPE_KEYS for this run."""
-    return {"train_batch_size": cfg.data.train_batch_size, "n": derived.n, "prompt_length": derived.prompt_length,
-            "response_length": derived.response_length}
+class ShapeValue(NamedTuple):
+    """One value of the batch shape a dump must share with the run that replays it, and the key that set it."""
+
+    key: str
+    value: int
+
+
+def dump_shape(cfg: Config, derived: Derived) -> dict[str, ShapeValue]:
+    """This run's batch shape, by metadata name. The lengths name the key that set them: the rollout's
+    prompt_length / response_length when given, else data.max_prompt_length / data.max_response_length."""
+    rollout = cfg.actor_rollout_ref.rollout
+    prompt_key = "actor_rollout_ref.rollout.prompt_length" if rollout.prompt_length else "data.max_prompt_length"
+    response_key = ("actor_rollout_ref.rollout.response_length" if rollout.response_length
+                    else "data.max_response_length")
+    return {"train_batch_size": ShapeValue("data.train_batch_size", cfg.data.train_batch_size),
+            "n": ShapeValue("actor_rollout_ref.rollout.n", derived.n),
+            "prompt_length": ShapeValue(prompt_key, derived.prompt_length),
+            "response_length": ShapeValue(response_key, derived.response_length)}
 
 
 def engine_needed(cfg: Config) -> bool:
@@ -86,35 +93,36 @@ class RolloutSource:
 # ------------------------------------------------------------------------------------------------
 # Writing and reading one step
 # ------------------------------------------------------------------------------------------------
-def write_rollouts(out_dir: Path, step: int, batch: RolloutBatch, shape: dict[str, int], tokenizer) -> None:
+def write_rollouts(out_dir: Path, step: int, batch: RolloutBatch, shape: dict[str, ShapeValue], tokenizer) -> None:
     """``{step}.safetensors`` (complete) and ``{step}.jsonl`` (decoded) in ``out_dir``, each written atomically."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {name: getattr(batch, name).contiguous() for name in _TENSOR_FIELDS if getattr(batch, name) is not None}
     groups = {uid: i for i, uid in enumerate(dict.fromkeys(batch.uid))}
     tensors["group_index"] = torch.tensor([groups[u] for u in batch.uid], dtype=torch.int64)
-    metadata = {"format": DUMP_FORMAT, "step": str(step), **{k: str(v) for k, v in shape.items()},
+    metadata = {"format": DUMP_FORMAT, "step": str(step), **{k: str(v.value) for k, v in shape.items()},
                 **{name: json.dumps(getattr(batch, name), default=str) for name in _LIST_FIELDS}}
     write_atomic(out_dir / f"{step}{DUMP_SUFFIX}", save(tensors, metadata=metadata))
     write_jsonl(out_dir / f"{step}.jsonl", decode_samples(tokenizer, batch, len(batch)))
 
 
-def read_rollouts(dump_dir: Path, step: int, shape: dict[str, int]) -> RolloutBatch:
+def read_rollouts(dump_dir: Path, step: int, shape: dict[str, ShapeValue]) -> RolloutBatch:
     """Step ``step``'s batch from a dump, checked against this run's batch shape."""
     path = dump_dir / f"{step}{DUMP_SUFFIX}"
     meta = _metadata(path, step, shape)
     tensors = load_file(str(path))
     rows = {name: json.loads(meta[name]) for name in _LIST_FIELDS}
     batch = RolloutBatch(**{name: tensors.get(name) for name in _TENSOR_FIELDS}, **rows)
-    want_rows = shape["train_batch_size"] * shape["n"]
-    if len(batch) != want_rows or batch.response_ids.shape[1] > shape["response_length"] \
-            or batch.prompt_ids.shape[1] > shape["prompt_length"]:
+    want_rows = shape["train_batch_size"].value * shape["n"].value
+    prompt_length, response_length = shape["prompt_length"].value, shape["response_length"].value
+    if len(batch) != want_rows or batch.response_ids.shape[1] > response_length \
+            or batch.prompt_ids.shape[1] > prompt_length:
         raise ConfigError(f"trainer.replay_rollouts_from: {path} holds a ({len(batch)}, {batch.prompt_ids.shape[1]} + "
                           f"{batch.response_ids.shape[1]}) batch; this run needs {want_rows} rows of at most "
-                          f"{shape['prompt_length']} + {shape['response_length']} tokens")
+                          f"{prompt_length} + {response_length} tokens")
     return batch
 
 
-def check_dump(dump_dir: Path, steps: range, shape: dict[str, int]) -> None:
+def check_dump(dump_dir: Path, steps: range, shape: dict[str, ShapeValue]) -> None:
     """Refuse (one line) a dump directory that lacks one of ``steps`` or holds another batch shape."""
     if not dump_dir.is_dir():
         raise ConfigError(f"trainer.replay_rollouts_from={dump_dir}: not a directory (expected a "
@@ -131,7 +139,7 @@ def check_dump(dump_dir: Path, steps: range, shape: dict[str, int]) -> None:
         _metadata(dump_dir / f"{s}{DUMP_SUFFIX}", s, shape)
 
 
-def _metadata(path: Path, step: int, shape: dict[str, int]) -> dict[str, str]:
+def _metadata(path: Path, step: int, shape: dict[str, ShapeValue]) -> dict[str, str]:
     """The file's metadata, after checking its format, step and batch shape against this run's."""
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -141,10 +149,10 @@ def _metadata(path: Path, step: int, shape: dict[str, int]) -> dict[str, str]:
     if meta.get("format") != DUMP_FORMAT or meta.get("step") != str(step):
         raise ConfigError(f"trainer.replay_rollouts_from: {path} is not step {step} of a {DUMP_FORMAT} dump "
                           f"(format {meta.get('format')!r}, step {meta.get('step')!r})")
-    for name, key in DUMP_SHAPE_KEYS.items():
-        if meta.get(name) != str(shape[name]):
+    for name, (key, value) in shape.items():
+        if meta.get(name) != str(value):
             raise ConfigError(f"trainer.replay_rollouts_from: {path} was dumped with {key}={meta.get(name)}, this "
-                              f"run has {key}={shape[name]}; replay with the dumping run's batch shape")
+                              f"run has {key}={value}; replay with the dumping run's batch shape")
     return meta
 
 

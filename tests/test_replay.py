@@ -131,3 +131,26 @@ def test_a_dump_that_does_not_fit_is_refused_in_one_line(tiny_model_path, task, 
         with pytest.raises(ConfigError, match=re.escape(message)) as info:
             Trainer(cfg)
         assert "\n" not in str(info.value), name
+
+
+@pytest.mark.parametrize("rollout_sets_it", [False, True])
+def test_a_length_refusal_names_the_key_that_set_it(tiny_model_path, tmp_path, rollout_sets_it):
+    """rollout.response_length overrides data.max_response_length: the refusal names the key the user set."""
+    from safetensors.torch import save_file
+
+    from grpo_npu.config import derive
+    from grpo_npu.replay import DUMP_FORMAT, check_dump, dump_shape
+
+    key = "actor_rollout_ref.rollout.response_length" if rollout_sets_it else "data.max_response_length"
+    rollout_length = ["actor_rollout_ref.rollout.response_length=20"] if rollout_sets_it else []
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_path}", "trainer.device=cpu",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "data.max_response_length=16",
+                       *rollout_length])
+    shape = dump_shape(cfg, derive(cfg, world_size=1))
+    assert shape["response_length"] == (key, 20 if rollout_sets_it else 16)
+    meta = {"format": DUMP_FORMAT, "step": "1", **{k: str(v.value) for k, v in shape.items()},
+            "response_length": "12"}
+    save_file({"prompt_ids": torch.zeros(1, 1)}, str(tmp_path / "1.safetensors"), metadata=meta)
+    with pytest.raises(ConfigError, match=re.escape(f"was dumped with {key}=12, this run has {key}=")) as info:
+        check_dump(tmp_path, range(1, 2), shape)
+    assert "\n" not in str(info.value)
