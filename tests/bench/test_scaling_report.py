@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -80,3 +81,16 @@ def test_report_rewrites_and_checks_the_readme_block(tmp_path):
 
 def test_the_readme_table_is_up_to_date():
     assert report.main(["--check"]) == 0, "run python -m bench.report --readme"
+
+
+@pytest.mark.parametrize("path,attention", [("packed", "grpo_npu"), ("packed, sdpa mask (before)", "sdpa"),
+                                            ("padded", "sdpa")])
+def test_activation_point_builds_the_attention_the_workers_use(tiny_model_path, path, attention):
+    """One --activation-point process: the model as build_sharded makes it for the path, and a measured peak."""
+    spec = json.dumps({"length": 16, "path": path, "model": tiny_model_path})
+    out = subprocess.run([sys.executable, "-m", "bench.scaling", "--activation-point", spec], capture_output=True,
+                         text=True, timeout=300, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    point = json.loads(out.stdout.strip().splitlines()[-1])
+    assert point["attn_implementation"] == attention
+    assert point["peak_extra_mb"] > 0 and point["seconds"] > 0
+    assert set(scaling.ACTIVATION_TARGETS) <= set(scaling.ACTIVATION_PATHS)
