@@ -29,7 +29,9 @@ Nothing happens at import time. Mechanism, per op, and why:
   the segments where ``position_ids`` restart. Padded batches get a bool (B, 1, Sq, Skv) mask with
   True = attend. A ``kv_index`` kwarg (shared-prompt packing) gathers each query segment's
   keys/values from the packed tokens first, so a response can attend to a prompt stored once for all
-  its siblings.
+  its siblings. The workers patch this op alone into every model that runs packed rows
+  (``use_remove_padding``) or shared prompts, unless the model uses an implementation in
+  :data:`VARLEN_ATTN_IMPLEMENTATIONS`, so that packed memory stays linear in the token count.
 """
 
 from __future__ import annotations

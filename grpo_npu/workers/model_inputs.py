@@ -6,9 +6,11 @@ position P + j - 1; :class:`ModelInputs` says where those N positions lie in the
 states, so only they ever meet the output head.
 
 ``use_remove_padding`` packs the valid tokens of all rows of a micro-batch into one (1, sum of
-lengths) sequence whose position ids restart at 0 per row; transformers then builds a block-diagonal
-causal mask from the position ids (SDPA/eager), and flash-style kernels read the ``cu_seq_lens_*``
-keyword arguments passed along. ``share_prompt_prefix`` packs each distinct prompt of a micro-batch
+lengths) sequence whose position ids restart at 0 per row, with the ``cu_seq_lens_*`` / ``max_length_*``
+keyword arguments of flash-style kernels. The model attends per packed sequence without any mask: the
+``grpo_npu`` attention's varlen path, or transformers' flash-attn path when that was asked for
+(:func:`grpo_npu.workers.response_model.ops_to_patch`); SDPA or eager would build one (N, N)
+block-diagonal mask over the whole micro-batch instead. ``share_prompt_prefix`` packs each distinct prompt of a micro-batch
 once, followed by all its responses, and attends through the ``grpo_npu`` attention with gathered
 keys (see :func:`shared_prefix_inputs`): GRPO's n responses per prompt then cost one prompt pass.
 All paths give the same log-probs.
