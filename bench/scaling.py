@@ -1,7 +1,6 @@
 """How a GRPO step's cost grows: step time and peak memory against response length and batch size.
 
-Run: ``python -m bench.scaling [--quick] [--model tiny|0.5b] [--rollout hf|vllm] [--packed]``, or
-``python -m bench.scaling --activations [--quick]``.
+Run: ``python -m bench.scaling [--quick] [--model tiny|0.5b] [--rollout hf|vllm] [--packed]``.
 Each point is one ``python -m grpo_npu.main_ppo`` run (defaults plus the point's keys: fixed-length
 responses, KL loss, gradient checkpointing, one micro-batch per step, so that the step's activations
 grow with the batch), one warm-up step then one timed step; step seconds are the timed
@@ -13,32 +12,21 @@ exponent k is fitted to ``mem = a + b * x**k`` (a: the process's fixed footprint
 something materialises a T x T tensor. A PNG (matplotlib) plots both sweeps against an ideal linear
 line through the first point. The CPU point sets keep the run short on a shared 2-core machine
 (:data:`TINY_POINTS`, :data:`POINTS_05B`); the 0.5B shape stops at 256 tokens x 32 sequences there.
-
-On CPU a CLI run's peak memory is the process's peak RSS, whose start-up floor hides the tiny model's
-activations. ``--activations`` (result ``scaling_activations``) measures them directly instead: per
-response length T (64 -> 1024 at 8 sequences) and path, one fresh process builds the actor as the workers
-do (:func:`grpo_npu.workers.response_model.build_sharded`, gradient checkpointing on), runs one forward +
-backward of a micro-batch as a warm-up, resets the kernel's peak-RSS counter and reports VmHWM - VmRSS over
-a second one, with ``MALLOC_MMAP_THRESHOLD_`` set so that RSS follows live tensors (bench/logprob.py's
-method). Paths (:data:`ACTIVATION_PATHS`): padded rows; packed rows as the workers run them (varlen
-attention, no mask); packed rows through transformers' SDPA with its block-diagonal (N, N) mask, the
-behaviour before issue 20 item 5.
+On CPU the peak RSS has a start-up floor that hides the tiny model's activations: ``bench.scaling_activations``
+measures those directly.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from bench.cli_run import measured_steps, run_cli
-from bench.common import RESULTS_DIR, BenchResult, bench_main, results_dir
+from bench.common import RESULTS_DIR, BenchResult, bench_main
 
 N = 4  # samples per prompt: a point of S sequences is S / N prompts
 # (lengths at 8 sequences, sequence counts at T=64)
@@ -49,14 +37,6 @@ SWEEP_BATCH, SWEEP_LENGTH = 8, 64  # the fixed coordinate of each sweep
 FLAT_FRACTION = 0.02  # memory that moves less than this over a sweep is flat (exponent 0): the fit would be noise
 MEMORY_EXPONENT_MAX = 1.5  # above this a sweep's memory grows faster than linearly: reported as a miss
 TIMEOUT_S = 1200.0
-ACTIVATION_LENGTHS = (64, 128, 256, 512, 1024)  # x2 steps: a direct point costs seconds, not a CLI run
-ACTIVATION_QUICK_LENGTHS = (16, 32, 64)
-ACTIVATION_PROMPT = 16  # prompt tokens of every row
-# path -> (packed inputs, the model built with use_remove_padding=True: varlen attention)
-ACTIVATION_PATHS = {"padded": (False, False), "packed": (True, True), "packed, sdpa mask (before)": (True, False)}
-ACTIVATION_TARGETS = ("padded", "packed")  # the paths the workers run; the old one is a note, not a target
-ACTIVATION_REPEATS = 3  # fresh processes per point; the least memory and time are kept (a shared machine)
-MMAP_THRESHOLD = 65536  # buffers >= 64 KiB get their own mmap, released on free: RSS follows live tensors
 
 
 def point_keys(model: str, train: str, length: int, seqs: int, rollout: str, packed: bool) -> list[str]:
@@ -183,90 +163,6 @@ def run(quick: bool = False, model: str = "tiny", rollout: str = "hf", packed: b
     return result
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-def activation_point(length: int, path: str, model: str | None = None) -> dict:
-    """Extra peak RSS (MB) and seconds of one actor forward + backward at response length ``length`` (fresh process;
-    ``model``: a tiny-model directory, default the built-in tiny model)."""
-    import time
-
-    import torch
-
-    from grpo_npu.batch import RolloutBatch
-    from grpo_npu.config import FSDPConfig
-    from grpo_npu.device import get_device
-    from grpo_npu.models.tiny import build_tiny_model
-    from grpo_npu.workers import fsdp
-    from grpo_npu.workers.model_inputs import build_inputs
-    from grpo_npu.workers.response_model import CausalLMLogProbs, build_sharded
-
-    packed, varlen = ACTIVATION_PATHS[path]
-    torch.set_num_threads(1)
-    dev = get_device("cpu")
-    fsdp.init_distributed(dev, rank=0, world_size=1, master_addr="127.0.0.1", master_port=fsdp.free_port())
-    module = build_sharded(CausalLMLogProbs, path=model or str(build_tiny_model()), override_config={}, trust_remote_code=False,
-                           fsdp_cfg=FSDPConfig(), dev=dev, compute_dtype=torch.float32, trainable=True,
-                           gradient_checkpointing=True, fused_kernels=False, remove_padding=varlen)
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, 1000, (SWEEP_BATCH, ACTIVATION_PROMPT), generator=gen)
-    response = torch.randint(3, 1000, (SWEEP_BATCH, length), generator=gen)
-    batch = RolloutBatch(prompt, torch.ones_like(prompt), response, torch.ones_like(response))
-
-    def step() -> None:
-        logp, _ = module(build_inputs(batch, packed), 1.0, False)
-        logp.sum().backward()
-
-    step()  # warm-up: gradients and one-time buffers exist before the measured pass
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM (peak RSS) to the current RSS
-    base_kib, start = _status_kib("VmRSS"), time.perf_counter()
-    step()
-    seconds = time.perf_counter() - start
-    fsdp.destroy_distributed()
-    return {"peak_extra_mb": (_status_kib("VmHWM") - base_kib) / 1024, "seconds": seconds,
-            "attn_implementation": module.hf.config._attn_implementation}
-
-
-def run_activations(quick: bool = False) -> BenchResult:
-    """Activation memory of one actor forward + backward against response length: padded and packed rows."""
-    lengths = ACTIVATION_QUICK_LENGTHS if quick else ACTIVATION_LENGTHS
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
-    result = BenchResult(name="scaling_activations")
-    for path in ACTIVATION_PATHS:
-        for length in lengths:
-            spec = json.dumps({"length": length, "path": path})
-            points = []
-            for _ in range(1 if quick else ACTIVATION_REPEATS):
-                out = subprocess.run([sys.executable, "-m", "bench.scaling", "--activation-point", spec], env=env,
-                                     capture_output=True, text=True, timeout=TIMEOUT_S, check=True)
-                points.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            result.rows.append({"sweep": path, "x_name": "response tokens T", "x": length,
-                                "tokens": SWEEP_BATCH * (ACTIVATION_PROMPT + length),
-                                "attn_implementation": points[0]["attn_implementation"],
-                                "step_s": min(p["seconds"] for p in points),
-                                "peak_memory_gb": min(p["peak_extra_mb"] for p in points) / 1024})
-            print(result.rows[-1], flush=True)
-    for path in ACTIVATION_PATHS:
-        pts = [r for r in result.rows if r["sweep"] == path]
-        xs, mems = [r["x"] for r in pts], [r["peak_memory_gb"] for r in pts]
-        k_mem = fit_exponent(xs, mems)
-        result.notes.append(f"{path}: activation peak {mems[0] * 1024:.0f} -> {mems[-1] * 1024:.0f} MB, fitted "
-                            f"a + b*T^{k_mem:.2f} ({xs[0]} -> {xs[-1]} response tokens)")
-        if path in ACTIVATION_TARGETS:
-            result.add_target(f"memory_exponent_{path}", k_mem, MEMORY_EXPONENT_MAX, higher_is_better=False)
-    png = results_dir(quick) / f"{result.name}.png"
-    missing = plot(result.rows, png)
-    result.notes.append(missing or f"plot: {png.name} (step_s = seconds of the measured forward + backward; memory "
-                        "= peak RSS above the resting RSS)")
-    result.notes.append(f"tiny model, {SWEEP_BATCH} sequences of {ACTIVATION_PROMPT} prompt + T response tokens, "
-                        "one micro-batch, gradient checkpointing, fp32, one thread; best of "
-                        f"{1 if quick else ACTIVATION_REPEATS} fresh processes per point")
-    return result
-
-
 def main(argv: list[str] | None = None) -> BenchResult:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model", default="tiny", choices=("tiny", "0.5b"))
@@ -274,15 +170,7 @@ def main(argv: list[str] | None = None) -> BenchResult:
     parser.add_argument("--packed", action="store_true", help="also the length sweep with use_remove_padding=True")
     parser.add_argument("--png", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run (default 2)")
-    parser.add_argument("--activations", action="store_true",
-                        help="activation memory of one forward + backward, padded vs packed (result scaling_activations)")
-    parser.add_argument("--activation-point", default=None, help=argparse.SUPPRESS)  # one point, in its own process
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if ours.activation_point is not None:
-        print(json.dumps(activation_point(**json.loads(ours.activation_point))), flush=True)
-        return BenchResult(name="scaling_activation_point")
-    if ours.activations:
-        return bench_main(run_activations, rest)
 
     def configured(quick: bool = False) -> BenchResult:
         """Step time and peak memory against response length and batch size."""

@@ -1,4 +1,5 @@
-"""bench.scaling's exponent fit and point keys, bench.cli_run's step reading, bench.report's README block."""
+"""bench.scaling's exponent fit and point keys, bench.scaling_activations' points, bench.cli_run's step reading,
+bench.report's README block."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from bench import cli_run, report, scaling
+from bench import cli_run, report, scaling, scaling_activations
 
 
 @pytest.mark.parametrize("k", [1.0, 2.0, 0.5])
@@ -86,11 +87,11 @@ def test_the_readme_table_is_up_to_date():
 @pytest.mark.parametrize("path,attention", [("packed", "grpo_npu"), ("packed, sdpa mask (before)", "sdpa"),
                                             ("padded", "sdpa")])
 def test_activation_point_builds_the_attention_the_workers_use(tiny_model_path, path, attention):
-    """One --activation-point process: the model as build_sharded makes it for the path, and a measured peak."""
+    """One bench.scaling_activations point: the model as build_sharded makes it for the path, and a measured peak."""
     spec = json.dumps({"length": 16, "path": path, "model": tiny_model_path})
-    out = subprocess.run([sys.executable, "-m", "bench.scaling", "--activation-point", spec], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "bench.scaling_activations", "--point", spec], capture_output=True,
                          text=True, timeout=300, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     point = json.loads(out.stdout.strip().splitlines()[-1])
     assert point["attn_implementation"] == attention
     assert point["peak_extra_mb"] > 0 and point["seconds"] > 0
-    assert set(scaling.ACTIVATION_TARGETS) <= set(scaling.ACTIVATION_PATHS)
+    assert set(scaling_activations.TARGETS) <= set(scaling_activations.PATHS)

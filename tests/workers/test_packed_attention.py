@@ -1,4 +1,4 @@
-"""Packed (remove-padding) micro-batches attend per packed sequence: no (N, N) tensor, on every device (issue 20 item 5).
+"""Packed (remove-padding) micro-batches attend per packed sequence: no (N, N) tensor on any device (issue 20, 5).
 
 With SDPA or eager attention transformers turns the packed position ids into one block-diagonal (1, 1, N, N)
 mask over all N tokens of the micro-batch, so memory grew with (B x T)^2. The workers now switch packed models
