@@ -93,7 +93,7 @@ class HFRollout(Rollout):
         was_training = self.module.training
         self.module.eval()
         try:
-            with _seeded(sampling.seed, device), decode_attention(self.module):  # GQA decode without KV copies
+            with _seeded(sampling.seed, device), decode_attention(self._hf_model()):  # GQA decode without KV copies
                 out = self.module.generate(
                     input_ids=ids, attention_mask=mask, generation_config=self._generation_config(sampling)
                 )
@@ -109,6 +109,10 @@ class HFRollout(Rollout):
                 dim=1,
             ).cpu()  # (B*n, T')
         return self._pack(generated, logp, sampling.ignore_eos)
+
+    def _hf_model(self) -> nn.Module:
+        """The transformers model itself: the actor's module (``workers.response_model``) wraps it as ``.hf``."""
+        return getattr(self.module, "hf", self.module)
 
     def _pack(self, generated: torch.Tensor, logp: Optional[torch.Tensor], ignore_eos: bool) -> GenerationOutput:
         """Cut each row after its first eos (kept, mask 1) and right-pad; stop_reason 'stop' or 'length'."""
