@@ -84,3 +84,32 @@ def test_generate_same_tokens_and_logprobs_as_sdpa(tiny_hf, tiny_tokenizer, prom
     assert torch.equal(fast.response_ids, plain.response_ids)
     assert torch.equal(fast.response_mask, plain.response_mask)
     torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=1e-5, rtol=0)
+
+
+def test_generate_through_the_actor_wrapper_uses_decode_attention(tiny_hf, tiny_tokenizer, prompt_batch, monkeypatch):
+    """The actor's module (workers.response_model) wraps the transformers model as ``.hf``: the switch reaches it."""
+    import grpo_npu.rollout.decode_attention as da
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, hf):
+            super().__init__()
+            self.hf = hf
+
+        def generate(self, *args, **kwargs):
+            return self.hf.generate(*args, **kwargs)
+
+    calls = []
+    forward = da.decode_attention_forward
+    monkeypatch.setattr(da, "decode_attention_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    monkeypatch.setattr(da, "_registered", False)  # registers the counting function
+    ids, mask = prompt_batch
+    try:
+        rollout = HFRollout(Wrapper(tiny_hf), pad_token_id=tiny_tokenizer.pad_token_id,
+                            eos_token_ids=[tiny_tokenizer.eos_token_id])
+        rollout.generate(ids, mask, SamplingConfig(do_sample=False, max_new_tokens=4, ignore_eos=True))
+    finally:
+        monkeypatch.undo()
+        da._registered = False  # re-register the real function on the next use
+    layers = tiny_hf.config.num_hidden_layers
+    assert len(calls) == 4 * layers  # prefill + 3 decoding steps, every layer
+    assert tiny_hf.config._attn_implementation == "sdpa"
