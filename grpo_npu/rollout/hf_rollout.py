@@ -6,7 +6,8 @@ normal forward gathers the shards), so ``update_weights`` has nothing to do and 
 memory of their own to release.
 
 Sampling: prompts are repeated ``n`` times, interleaved (rows i*n .. i*n+n-1 belong to prompt i), and
-sampled in one ``generate`` call with the KV cache. A seeded call forks the RNG and seeds it, so it is
+sampled in one ``generate`` call with the KV cache; decoding steps attend through
+:mod:`grpo_npu.rollout.decode_attention` (grouped-query attention without copying the cache). A seeded call forks the RNG and seeds it, so it is
 reproducible and leaves the caller's RNG untouched; unlike vLLM, the seed is per call, not per sample.
 
 Log-probs (``return_logprobs``): ``log_softmax`` of the scores ``generate`` sampled from, i.e. the
@@ -26,6 +27,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, check_prompts, pack_responses
+from grpo_npu.rollout.decode_attention import decode_attention
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +93,7 @@ class HFRollout(Rollout):
         was_training = self.module.training
         self.module.eval()
         try:
-            with _seeded(sampling.seed, device):
+            with _seeded(sampling.seed, device), decode_attention(self._hf_model()):  # GQA decode without KV copies
                 out = self.module.generate(
                     input_ids=ids, attention_mask=mask, generation_config=self._generation_config(sampling)
                 )
@@ -107,6 +109,10 @@ class HFRollout(Rollout):
                 dim=1,
             ).cpu()  # (B*n, T')
         return self._pack(generated, logp, sampling.ignore_eos)
+
+    def _hf_model(self) -> nn.Module:
+        """The transformers model itself: the actor's module (``workers.response_model``) wraps it as ``.hf``."""
+        return getattr(self.module, "hf", self.module)
 
     def _pack(self, generated: torch.Tensor, logp: Optional[torch.Tensor], ignore_eos: bool) -> GenerationOutput:
         """Cut each row after its first eos (kept, mask 1) and right-pad; stop_reason 'stop' or 'length'."""
