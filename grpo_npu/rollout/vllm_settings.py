@@ -30,13 +30,14 @@ LOGPROBS_MODE = "processed_logprobs"
 _NZ_ENV = "VLLM_ASCEND_ENABLE_NZ"
 
 
-def default_sleep_level(device_kind: str, configured: Optional[int] = None) -> int:
-    """rollout.sleep_level, or 1 on NPU (level 2 broke there for MoE in verl) and 2 elsewhere."""
+def default_sleep_level(device_kind: str, configured: Optional[int] = None, lora_adapters: bool = False) -> int:
+    """rollout.sleep_level, or 1 on NPU (level 2 broke there for MoE in verl) and with LoRA adapters in the
+    engine (level 1 keeps the base weights, sent once; verl uses 1 with LoRA too), and 2 elsewhere."""
     if configured is not None:
         if configured not in (1, 2):
             raise ValueError(f"actor_rollout_ref.rollout.sleep_level={configured} must be 1, 2 or null")
         return configured
-    return 1 if device_kind == "npu" else 2
+    return 1 if device_kind == "npu" or lora_adapters else 2
 
 
 def engine_environment(device_kind: str, sleep_mode: bool, environ: Mapping[str, str]) -> dict[str, str]:
