@@ -65,7 +65,6 @@ def _lora_model_class():
 
 
 _REQUIRED_ARGS = {"lora_model_id", "tensors", "peft_helper", "device", "dtype"}  # of LoRAModel.from_lora_tensors
-_OPTIONAL_ARGS = ("model_vocab_size", "weights_mapper", "skip_prefixes")  # passed where the signature has them
 
 
 def adapters_unsupported() -> Optional[str]:
@@ -134,7 +133,7 @@ def load_adapter_on_worker(worker: Any, lora_id: int, peft_config: dict, tensors
     model = adapters.model
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     build = _lora_model_class().from_lora_tensors
-    optional = {"model_vocab_size": manager.vocab_size,
+    optional = {"model_vocab_size": manager.vocab_size,  # passed where this vLLM's signature has them
                 "weights_mapper": None if mapper is None else mapper.get_rename_mapper(),
                 "skip_prefixes": getattr(model, "lora_skip_prefixes", None)}
     accepted = inspect.signature(build).parameters
