@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from grpo_npu.errors import SyncMismatch
 from grpo_npu.rollout.base import SamplingConfig
@@ -92,8 +93,12 @@ def test_adapter_sync_matches_the_actor_and_sends_the_base_once(worker):
     assert (actor - base).abs().max() > 50 * LOGP_ATOL  # the adapters matter: a base-only engine would fail above
 
     first = worker.recorded.syncs[-1]
-    adapter_names = [n for n in lora.adapter_sync_names(hf) if ".lora_" in n]
-    base_names = [n for n in lora.adapter_sync_names(hf) if ".lora_" not in n]
+    # Written here: PEFT adapter-file names of the adapters, HF checkpoint names of the base model.
+    adapter_names = ["base_model.model." + n.replace(f".{lora.ADAPTER_NAME}.", ".")
+                     for n, _ in hf.named_parameters() if ".lora_A." in n or ".lora_B." in n]
+    base_names = [n.replace(".base_layer.", ".") for n in hf.state_dict() if ".lora_" not in n]
+    assert len(adapter_names) == 2 * 7 * 4 and len(base_names) == len(AutoModelForCausalLM.from_pretrained(
+        worker.cfg.actor_rollout_ref.model.path).state_dict())  # 7 projections x 4 layers; all of the base
     assert set(first) == set(base_names) | set(adapter_names)
     assert not any(".base_layer" in n for n in first)
 
