@@ -3,7 +3,8 @@
 # Keys follow verl's LoRA GRPO examples (lora_rank 64, lora_alpha 32, all linear layers) with a learning
 # rate 30x the full fine-tuning example's (adapters need larger steps). Only the adapters train and hold optimizer state; the reference policy is
 # the actor with its adapters switched off (no second copy of the model); the engine loads the base
-# weights from disk (load_format=safetensors) and gets the merged weights at each sync. Every checkpoint
+# weights from disk (load_format=safetensors), runs with LoRA on and gets only the adapters at each sync
+# (merged weights on a vLLM that cannot build an adapter from tensors: docs/lora.md). Every checkpoint
 # holds actor/lora_adapter (a PEFT directory); add hf_model to save_contents for merged weights.
 #
 #   pip install 'grpo_npu[lora]'                                         # peft

@@ -49,7 +49,7 @@ def _build_hf(cfg, *, module, pad_token_id, eos_token_ids, **_) -> Rollout:
 
 
 def _build_vllm(cfg, *, model_path, device, prompt_length, response_length, pad_token_id, eos_token_ids,
-                trust_remote_code, **_) -> Rollout:
+                trust_remote_code, lora_adapter, **_) -> Rollout:
     if not model_path:
         raise ValueError("actor_rollout_ref.rollout.name=vllm needs the model path (actor_rollout_ref.model.path)")
     try:
@@ -63,7 +63,8 @@ def _build_vllm(cfg, *, model_path, device, prompt_length, response_length, pad_
 
     return build_vllm_rollout(cfg, model_path=model_path, device=device, prompt_length=prompt_length,
                               response_length=response_length, pad_token_id=pad_token_id,
-                              eos_token_ids=eos_token_ids, trust_remote_code=trust_remote_code)
+                              eos_token_ids=eos_token_ids, trust_remote_code=trust_remote_code,
+                              lora_adapter=lora_adapter)
 
 
 _BUILDERS: dict[str, Callable[..., Rollout]] = {"hf": _build_hf, "vllm": _build_vllm}
@@ -80,15 +81,18 @@ def build_rollout(
     eos_token_ids: Sequence[int],
     module: Optional[nn.Module] = None,
     trust_remote_code: bool = False,
+    lora_adapter: Optional[dict] = None,
 ) -> Rollout:
-    """The rollout named by ``actor_rollout_ref.rollout.name`` (lengths from config.derive())."""
+    """The rollout named by ``actor_rollout_ref.rollout.name`` (lengths from config.derive()); ``lora_adapter``:
+    the actor's PEFT LoRA config as a dict (LoRA on), or None."""
     if cfg.name not in _BUILDERS:
         raise ValueError(f"actor_rollout_ref.rollout.name={cfg.name!r}; known: {', '.join(sorted(_BUILDERS))}")
     if not eos_token_ids:
         raise ValueError("build_rollout needs at least one eos token id (tokenizer.eos_token_id)")
     return _BUILDERS[cfg.name](cfg, device=device, model_path=model_path, prompt_length=prompt_length,
                                response_length=response_length, pad_token_id=pad_token_id,
-                               eos_token_ids=list(eos_token_ids), module=module, trust_remote_code=trust_remote_code)
+                               eos_token_ids=list(eos_token_ids), module=module, trust_remote_code=trust_remote_code,
+                               lora_adapter=lora_adapter)
 
 
 def training_sampling(cfg: RolloutConfig, response_length: int, seed: Optional[int] = None) -> SamplingConfig:

@@ -18,6 +18,8 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
+_LORA_BASE_LAYER = ".base_layer"  # vLLM's LoRA wrappers (enable_lora) hold the wrapped layer under this name
+
 
 @dataclass(frozen=True)
 class _Target:
@@ -83,10 +85,13 @@ def direct_sync_targets(model: torch.nn.Module) -> dict[str, _Target]:
 
     fused_parts = dict(getattr(model, "packed_modules_mapping", {}) or {})  # e.g. qkv_proj -> [q, k, v]_proj
     targets: dict[str, _Target] = {}
-    for module_name, module in model.named_modules():
+    for engine_module, module in model.named_modules():
+        # Inside vLLM's LoRA wrapper a layer is ``<name>.base_layer``; it takes the base model's HF names.
+        module_name = engine_module.removesuffix(_LORA_BASE_LAYER)
         prefix, _, leaf = module_name.rpartition(".")
         for attr, param in module.named_parameters(recurse=False):
-            engine_name = f"{module_name}.{attr}"
+            engine_name = f"{engine_module}.{attr}"
+            hf_name = f"{module_name}.{attr}"
             if isinstance(module, LinearBase):
                 # A packed weight is an empty placeholder: the full shape comes from the layer.
                 full = (module.output_size_per_partition, module.input_size_per_partition) if attr == "weight" \
@@ -98,13 +103,13 @@ def direct_sync_targets(model: torch.nn.Module) -> dict[str, _Target]:
                         targets[hf] = _Target(engine_name, module, attr, rows, (rows.stop - rows.start, *full[1:]),
                                               (id(param), rows.start))
                     continue
-                targets[engine_name] = _Target(engine_name, module, attr, None, full, (id(param), 0))
+                targets[hf_name] = _Target(engine_name, module, attr, None, full, (id(param), 0))
             elif isinstance(module, VocabParallelEmbedding) and attr == "weight":
                 rows = slice(0, module.org_vocab_size)  # rows past it: vocabulary padding, never sampled
-                targets[engine_name] = _Target(engine_name, module, attr, rows, (module.org_vocab_size, param.shape[1]),
+                targets[hf_name] = _Target(engine_name, module, attr, rows, (module.org_vocab_size, param.shape[1]),
                                                (id(param), 0))
             else:
-                targets[engine_name] = _Target(engine_name, module, attr, None, tuple(param.shape), (id(param), 0))
+                targets[hf_name] = _Target(engine_name, module, attr, None, tuple(param.shape), (id(param), 0))
     return targets
 
 

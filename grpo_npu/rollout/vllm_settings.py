@@ -7,9 +7,12 @@ sleep-mode guards; :mod:`grpo_npu.rollout.vllm_rollout` builds the engine from t
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from grpo_npu.config import RolloutConfig
+
+if TYPE_CHECKING:  # torch-free at import
+    from grpo_npu.rollout.base import SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +33,14 @@ LOGPROBS_MODE = "processed_logprobs"
 _NZ_ENV = "VLLM_ASCEND_ENABLE_NZ"
 
 
-def default_sleep_level(device_kind: str, configured: Optional[int] = None) -> int:
-    """rollout.sleep_level, or 1 on NPU (level 2 broke there for MoE in verl) and 2 elsewhere."""
+def default_sleep_level(device_kind: str, configured: Optional[int] = None, lora_adapters: bool = False) -> int:
+    """rollout.sleep_level, or 1 on NPU (level 2 broke there for MoE in verl) and with LoRA adapters in the
+    engine (level 1 keeps the base weights, sent once; verl uses 1 with LoRA too), and 2 elsewhere."""
     if configured is not None:
         if configured not in (1, 2):
             raise ValueError(f"actor_rollout_ref.rollout.sleep_level={configured} must be 1, 2 or null")
         return configured
-    return 1 if device_kind == "npu" else 2
+    return 1 if device_kind == "npu" or lora_adapters else 2
 
 
 def engine_environment(device_kind: str, sleep_mode: bool, environ: Mapping[str, str]) -> dict[str, str]:
@@ -148,3 +152,22 @@ def vllm_engine_kwargs(
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     kwargs.update(dict(cfg.engine_kwargs.get("vllm", {}) or {}))
     return kwargs
+
+
+def sampling_params(sampling: "SamplingConfig", *, n: int, seed: Optional[int], stop_token_ids: Sequence[int]):
+    """A ``vllm.SamplingParams`` for one prompt (token ids in, token ids and log-probs out)."""
+    from vllm import SamplingParams
+
+    greedy = sampling.greedy
+    return SamplingParams(
+        n=n,
+        temperature=0.0 if greedy else sampling.temperature,
+        top_p=1.0 if greedy else sampling.top_p,
+        top_k=0 if greedy or sampling.top_k <= 0 else sampling.top_k,  # 0: off in vLLM
+        max_tokens=sampling.max_new_tokens,
+        seed=None if greedy else seed,
+        logprobs=0 if sampling.return_logprobs else None,  # 0: just the sampled token's
+        ignore_eos=sampling.ignore_eos,
+        stop_token_ids=[] if sampling.ignore_eos else list(stop_token_ids),
+        detokenize=False,
+    )

@@ -141,6 +141,7 @@ class HybridWorker:
             arr.rollout, device=self.dev, model_path=arr.model.path, prompt_length=self.derived.prompt_length,
             response_length=self.derived.response_length, pad_token_id=pad, eos_token_ids=eos_ids(tok, arr.model.path),
             module=self.actor.module, trust_remote_code=arr.model.trust_remote_code,
+            lora_adapter=lora.peft_config_dict(self.actor.module.hf) if self.lora is not None else None,
         )
         self.ledger = MemoryLedger(self.dev)
         sc = arr.rollout.sync_check
@@ -168,17 +169,25 @@ class HybridWorker:
         rollout = self.cfg.actor_rollout_ref.rollout
         return torch.float32 if not self.dev.is_accelerator else fsdp.resolve_dtype(rollout.dtype, self.dev)
 
-    def engine_weights(self):
+    def takes_adapters(self) -> bool:
+        """LoRA with an engine that takes adapters (grpo_npu/rollout/vllm_lora.py); else it takes whole weights."""
+        return self.lora is not None and getattr(self.rollout, "adapter_sync", None) is not None
+
+    def engine_weights(self, whole: bool = False):
         """The actor's weights as the engine takes them, (HF name, full tensor) in the engine's dtype, gathered
-        one at a time; with LoRA the merged weights under the base names (workers/lora.py)."""
+        one at a time. LoRA: the adapters, after the base weights when the engine lacks them or ``whole``
+        (an engine that takes adapters), else the merged weights under the base names (workers/lora.py)."""
         hf = self._need("actor").module.hf
+        if self.takes_adapters():
+            return lora.iter_adapter_sync(hf, with_base=whole or not self.rollout.adapter_sync.has_base,
+                                          dtype=self.engine_dtype())
         if self.lora is not None:
             return lora.iter_merged_state_dict(hf, dtype=self.engine_dtype())
         return fsdp.iter_full_state_dict(hf, dtype=self.engine_dtype())
 
-    def rollout_weights(self):
+    def rollout_weights(self, whole: bool = False):
         """The weight stream a sync sends (:meth:`engine_weights`; the canary re-reads it when bisecting)."""
-        return self.engine_weights()
+        return self.engine_weights(whole)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling, step: int = 0) -> Any:
         """Wake the engine, stream the actor's weights in, [check the sync], generate this rank's prompts x n, sleep.
@@ -188,11 +197,14 @@ class HybridWorker:
         check = None
         if self.sync_check is not None and self.sync_check.due(step):
             self.sync_check.set_probe(prompt_ids, prompt_mask)
-            hf = actor.module.hf
-            names = lora.merged_names(hf) if self.lora is not None else list(hf.state_dict().keys())
+            hf, adapters = actor.module.hf, self.takes_adapters()
+            names = (lora.adapter_sync_names(hf) if adapters else lora.merged_names(hf) if self.lora is not None
+                     else list(hf.state_dict().keys()))
+            whole = dict(whole=True) if adapters else {}  # bisection re-sends the whole model: base and adapters
             check = lambda: self.sync_check.run(  # noqa: E731
-                step, engine=rollout, actor_logprobs=actor.teacher_forced, synced_weights=self.rollout_weights,
-                actor_weights=self.engine_weights, names=names)
+                step, engine=rollout, actor_logprobs=actor.teacher_forced,
+                synced_weights=lambda: self.rollout_weights(**whole),
+                actor_weights=lambda: self.engine_weights(**whole), names=names)
         with params_on(actor.module, self.dev, actor.param_offload):
             out = run_rollout_step(
                 rollout, self.dev, self.rollout_weights(), prompt_ids, prompt_mask, sampling,

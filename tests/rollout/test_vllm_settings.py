@@ -25,6 +25,12 @@ def test_sleep_level_defaults_to_1_on_npu_and_2_elsewhere():
         default_sleep_level("cuda", 3)
 
 
+def test_lora_adapters_in_the_engine_sleep_at_level_1_unless_told():
+    """Level 2 would drop the base weights, which an adapter sync sends only once."""
+    assert default_sleep_level("cuda", lora_adapters=True) == 1
+    assert default_sleep_level("cuda", 2, lora_adapters=True) == 2  # asked: the base is re-sent after each wake
+
+
 def test_npu_sleep_mode_sets_nz_off_and_refuses_it_on():
     assert engine_environment("npu", True, {}) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ASCEND_ENABLE_NZ": "0"}
     assert engine_environment("npu", True, {"VLLM_ASCEND_ENABLE_NZ": "0"})["VLLM_ASCEND_ENABLE_NZ"] == "0"
