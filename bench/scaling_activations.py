@@ -109,7 +109,8 @@ def run(quick: bool = False) -> BenchResult:
                 out = subprocess.run([sys.executable, "-m", "bench.scaling_activations", "--point", spec], env=env,
                                      capture_output=True, text=True, timeout=TIMEOUT_S, check=True)
                 measured.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            result.rows.append({"sweep": sweep, "x_name": x_name, "x": length if x_name.startswith("response") else batch,
+            x = length if sweep.startswith("length") else batch
+            result.rows.append({"sweep": sweep, "x_name": x_name, "x": x,
                                 "response_len": length, "sequences": batch, "tokens": batch * (PROMPT + length),
                                 "attn_implementation": measured[0]["attn_implementation"],
                                 "step_s": min(p["seconds"] for p in measured),

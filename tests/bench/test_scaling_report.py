@@ -48,7 +48,8 @@ def test_rederive_declares_step_time_targets_only(tmp_path):
             for sweep, pts in (("length", ((64, 1.0, 1.118), (1024, 16.0, 1.118))),
                                ("batch", ((8, 1.0, 1.118), (32, 1.5, 1.118), (128, 64.0, 1.398))))
             for x, s, m in pts]
-    stored = {"name": "scaling", "rows": rows, "notes": ["length: stale", "run by hand under load"], "meta": {"quick": False},
+    stored = {"name": "scaling", "rows": rows, "notes": ["length: stale", "run by hand under load"],
+              "meta": {"quick": False},
               "targets": {"memory_exponent_batch": {"measured": 3.0, "target": "<= 1.5", "passed": False}}}
     path = tmp_path / "scaling.json"
     path.write_text(json.dumps(stored))
