@@ -1,8 +1,9 @@
-"""Activation memory of one actor forward + backward against response length: padded and packed rows.
+"""Activation memory of one actor forward + backward against response length and batch: padded and packed rows.
 
 Run: ``python -m bench.scaling_activations [--quick]``. On CPU a CLI run's peak memory (``bench.scaling``)
 is the process's peak RSS, whose start-up floor hides the tiny model's activations; this measures them
-directly. Per response length T (64 -> 1024 at 8 sequences of 16 prompt tokens) and path, a fresh process
+directly. Two sweeps of 16-prompt-token rows: response length T (64 -> 1024 at 8 sequences, every path)
+and sequences (8 -> 128 at T = 64, the paths the workers run). Per point and path, a fresh process
 builds the actor as the workers do (:func:`grpo_npu.workers.response_model.build_sharded`, gradient
 checkpointing on, fp32, one thread), runs one forward + backward of the micro-batch as a warm-up, resets
 the kernel's peak-RSS counter (``echo 5 > /proc/self/clear_refs``) and reports VmHWM - VmRSS over a
@@ -11,9 +12,9 @@ method). Each point is the best of :data:`REPEATS` processes.
 
 Paths (:data:`PATHS`): padded rows; packed rows as the workers run them (``model.use_remove_padding``:
 varlen attention, no mask); packed rows through transformers' SDPA with its block-diagonal (N, N) mask,
-the behaviour before issue 20 item 5, for comparison. The memory exponent k of ``mem = a + b * T**k`` is
-fitted per path (:func:`bench.scaling.fit_exponent`); the two paths the workers run are targets
-(k <= 1.5), the old one a note.
+the behaviour before issue 20 item 5, for comparison. The memory exponent k of ``mem = a + b * x**k`` is
+fitted per sweep and path (:func:`bench.scaling.fit_exponent`); the two paths the workers run are targets
+(k <= 1.5) in both sweeps, the old one a note.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import subprocess
 import sys
 
 from bench.common import BenchResult, bench_main, results_dir
-from bench.scaling import MEMORY_EXPONENT_MAX, SWEEP_BATCH, fit_exponent, plot
+from bench.scaling import MEMORY_EXPONENT_MAX, SWEEP_BATCH, SWEEP_LENGTH, fit_exponent, plot
 
-LENGTHS = (64, 128, 256, 512, 1024)  # x2 steps: a point costs seconds, not a CLI run
-QUICK_LENGTHS = (16, 32, 64)
+LENGTHS = (64, 128, 256, 512, 1024)  # x2 steps at SWEEP_BATCH sequences: a point costs seconds, not a CLI run
+BATCHES = (8, 16, 32, 64, 128)  # sequences, x2 steps at SWEEP_LENGTH response tokens
+QUICK_LENGTHS, QUICK_BATCHES = (16, 32, 64), (2, 4, 8)
 PROMPT = 16  # prompt tokens of every row
 # path -> (packed inputs, the model built with use_remove_padding=True: varlen attention)
 PATHS = {"padded": (False, False), "packed": (True, True), "packed, sdpa mask (before)": (True, False)}
@@ -43,9 +45,18 @@ def _status_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def point(length: int, path: str, model: str | None = None) -> dict:
-    """Extra peak RSS (MB) and seconds of one actor forward + backward at response length ``length`` (fresh process;
-    ``model``: a tiny-model directory, default the built-in tiny model)."""
+def sweeps(quick: bool = False) -> list[tuple[str, str, str, list[tuple[int, int]]]]:
+    """(sweep, x name, path, [(response length, sequences)]): the length sweep for every path, the batch sweep
+    for the target paths."""
+    lengths, batches = (QUICK_LENGTHS, QUICK_BATCHES) if quick else (LENGTHS, BATCHES)
+    out = [(f"length, {path}", "response tokens T", path, [(t, SWEEP_BATCH) for t in lengths]) for path in PATHS]
+    out += [(f"batch, {path}", "sequences", path, [(SWEEP_LENGTH, b) for b in batches]) for path in TARGETS]
+    return out
+
+
+def point(length: int, path: str, model: str | None = None, batch: int = SWEEP_BATCH) -> dict:
+    """Extra peak RSS (MB) and seconds of one actor forward + backward of ``batch`` rows at response length
+    ``length`` (fresh process; ``model``: a tiny-model directory, default the built-in tiny model)."""
     import time
 
     import torch
@@ -66,8 +77,8 @@ def point(length: int, path: str, model: str | None = None) -> dict:
                            trust_remote_code=False, fsdp_cfg=FSDPConfig(), dev=dev, compute_dtype=torch.float32,
                            trainable=True, gradient_checkpointing=True, fused_kernels=False, remove_padding=varlen)
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, 1000, (SWEEP_BATCH, PROMPT), generator=gen)
-    response = torch.randint(3, 1000, (SWEEP_BATCH, length), generator=gen)
+    prompt = torch.randint(3, 1000, (batch, PROMPT), generator=gen)
+    response = torch.randint(3, 1000, (batch, length), generator=gen)
     batch = RolloutBatch(prompt, torch.ones_like(prompt), response, torch.ones_like(response))
 
     def step() -> None:
@@ -86,39 +97,41 @@ def point(length: int, path: str, model: str | None = None) -> dict:
 
 
 def run(quick: bool = False) -> BenchResult:
-    """Activation memory of one actor forward + backward against response length: padded and packed rows."""
-    lengths = QUICK_LENGTHS if quick else LENGTHS
+    """Activation memory of one actor forward + backward against response length and batch: padded and packed rows."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
     result = BenchResult(name="scaling_activations")
-    for path in PATHS:
-        for length in lengths:
-            spec = json.dumps({"length": length, "path": path})
-            points = []
+    plan = sweeps(quick)
+    for sweep, x_name, path, points in plan:
+        for length, batch in points:
+            spec = json.dumps({"length": length, "path": path, "batch": batch})
+            measured = []
             for _ in range(1 if quick else REPEATS):
                 out = subprocess.run([sys.executable, "-m", "bench.scaling_activations", "--point", spec], env=env,
                                      capture_output=True, text=True, timeout=TIMEOUT_S, check=True)
-                points.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            result.rows.append({"sweep": path, "x_name": "response tokens T", "x": length,
-                                "tokens": SWEEP_BATCH * (PROMPT + length),
-                                "attn_implementation": points[0]["attn_implementation"],
-                                "step_s": min(p["seconds"] for p in points),
-                                "peak_memory_gb": min(p["peak_extra_mb"] for p in points) / 1024})
+                measured.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            x = length if sweep.startswith("length") else batch
+            result.rows.append({"sweep": sweep, "x_name": x_name, "x": x,
+                                "response_len": length, "sequences": batch, "tokens": batch * (PROMPT + length),
+                                "attn_implementation": measured[0]["attn_implementation"],
+                                "step_s": min(p["seconds"] for p in measured),
+                                "peak_memory_gb": min(p["peak_extra_mb"] for p in measured) / 1024})
             print(result.rows[-1], flush=True)
-    for path in PATHS:
-        pts = [r for r in result.rows if r["sweep"] == path]
+    for sweep, x_name, path, _ in plan:
+        pts = [r for r in result.rows if r["sweep"] == sweep]
         xs, mems = [r["x"] for r in pts], [r["peak_memory_gb"] for r in pts]
         k_mem = fit_exponent(xs, mems)
-        result.notes.append(f"{path}: activation peak {mems[0] * 1024:.0f} -> {mems[-1] * 1024:.0f} MB, fitted "
-                            f"a + b*T^{k_mem:.2f} ({xs[0]} -> {xs[-1]} response tokens)")
+        result.notes.append(f"{sweep}: activation peak {mems[0] * 1024:.0f} -> {mems[-1] * 1024:.0f} MB, fitted "
+                            f"a + b*x^{k_mem:.2f} ({xs[0]} -> {xs[-1]} {x_name})")
         if path in TARGETS:
-            result.add_target(f"memory_exponent_{path}", k_mem, MEMORY_EXPONENT_MAX, higher_is_better=False)
+            result.add_target(f"memory_exponent_{sweep.replace(', ', '_')}", k_mem, MEMORY_EXPONENT_MAX,
+                              higher_is_better=False)
     png = results_dir(quick) / f"{result.name}.png"
     missing = plot(result.rows, png)
     result.notes.append(missing or f"plot: {png.name} (step_s = seconds of the measured forward + backward; memory "
                         "= peak RSS above the resting RSS)")
-    result.notes.append(f"tiny model, {SWEEP_BATCH} sequences of {PROMPT} prompt + T response tokens, one micro-batch, "
-                        "gradient checkpointing, fp32, one thread; best of "
-                        f"{1 if quick else REPEATS} fresh processes per point")
+    result.notes.append(f"tiny model, rows of {PROMPT} prompt + T response tokens: length sweep at {SWEEP_BATCH} "
+                        f"sequences, batch sweep at T={SWEEP_LENGTH}; one micro-batch, gradient checkpointing, fp32, "
+                        f"one thread; best of {1 if quick else REPEATS} fresh processes per point")
     if quick:
         result.notes.append("quick sizes: exponents are indicative only")
     return result

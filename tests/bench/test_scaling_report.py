@@ -33,6 +33,37 @@ def test_scaling_points_are_valid_command_lines(tmp_path, tiny_model_path):
     assert cfg.actor_rollout_ref.model.use_remove_padding and cfg.actor_rollout_ref.rollout.ignore_eos
 
 
+def test_activation_sweeps_cover_length_and_batch():
+    plan = {sweep: (path, points) for sweep, _, path, points in scaling_activations.sweeps()}
+    for path in scaling_activations.PATHS:
+        assert plan[f"length, {path}"] == (path, [(t, 8) for t in (64, 128, 256, 512, 1024)])
+    for path in scaling_activations.TARGETS:  # the paths the workers run: 8 -> 128 sequences at T = 64
+        assert plan[f"batch, {path}"] == (path, [(64, b) for b in (8, 16, 32, 64, 128)])
+    assert len(plan) == len(scaling_activations.PATHS) + len(scaling_activations.TARGETS)
+
+
+def test_rederive_declares_step_time_targets_only(tmp_path):
+    """CPU peak RSS has a start-up floor: the CLI sweep's memory exponent is a note, its step-time exponent a target."""
+    rows = [{"sweep": sweep, "x_name": "x", "x": x, "step_s": s, "peak_memory_gb": m}
+            for sweep, pts in (("length", ((64, 1.0, 1.118), (1024, 16.0, 1.118))),
+                               ("batch", ((8, 1.0, 1.118), (32, 1.5, 1.118), (128, 64.0, 1.398))))
+            for x, s, m in pts]
+    stored = {"name": "scaling", "rows": rows, "notes": ["length: stale", "run by hand under load"],
+              "meta": {"quick": False},
+              "targets": {"memory_exponent_batch": {"measured": 3.0, "target": "<= 1.5", "passed": False}}}
+    path = tmp_path / "scaling.json"
+    path.write_text(json.dumps(stored))
+    scaling.main(["--rederive", str(path)])
+    out = json.loads(path.read_text())
+    assert out["rows"] == rows and out["meta"] == stored["meta"]
+    assert set(out["targets"]) == {"step_time_exponent_length", "step_time_exponent_batch"}
+    assert out["targets"]["step_time_exponent_length"]["measured"] == pytest.approx(1.0)  # 16x time over 16x length
+    assert out["targets"]["step_time_exponent_batch"] == {"measured": pytest.approx(1.5), "target": "<= 1.5",
+                                                          "passed": True}
+    assert out["notes"][-1] == "run by hand under load" and "length: stale" not in out["notes"]
+    assert any(n.startswith("batch: peak memory 1.118 -> 1.398 GB") and "not a target" in n for n in out["notes"])
+
+
 def test_measured_steps_drop_the_warm_up_step():
     rows = [{"timing_s/step": s, "timing_s/gen": 0.5 * s, "timing_s/update_actor": 0.25 * s, "timing_s/ref": 0.1,
              "perf/total_num_tokens": 100.0, "response_length/mean": 8.0, "perf/max_memory_allocated_gb": m}
@@ -88,7 +119,7 @@ def test_the_readme_table_is_up_to_date():
                                             ("padded", "sdpa")])
 def test_activation_point_builds_the_attention_the_workers_use(tiny_model_path, path, attention):
     """One bench.scaling_activations point: the model as build_sharded makes it for the path, and a measured peak."""
-    spec = json.dumps({"length": 16, "path": path, "model": tiny_model_path})
+    spec = json.dumps({"length": 16, "path": path, "model": tiny_model_path, "batch": 2})
     out = subprocess.run([sys.executable, "-m", "bench.scaling_activations", "--point", spec], capture_output=True,
                          text=True, timeout=300, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     point = json.loads(out.stdout.strip().splitlines()[-1])
