@@ -21,14 +21,28 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SCORE_SECTIONS = ("reward", "old_log_prob", "ref", "adv")
 
 
+# Rendezvous variables of a process group this process may hold (the eos workload's SFT warm start runs in
+# the parent): a child that inherited them would try to listen on the parent's MASTER_PORT.
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                  "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def child_env(threads: int, *paths: str | None) -> dict:
+    """A benchmark side's environment: ours less any process-group rendezvous, ``threads`` OpenMP threads,
+    the repo (and ``paths``) importable."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
+    env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), *paths, os.environ.get("PYTHONPATH")])))
+    return env
+
+
 def run_cli(keys: list[str], run_dir: Path, threads: int, timeout_s: float, log_name: str) -> dict:
     """Run ``python -m grpo_npu.main_ppo *keys`` (trainer.default_local_dir=run_dir); its metrics rows.
 
     ``threads`` goes to OMP_NUM_THREADS, as a user pins a run's cores. Raises with the log's tail on a
     non-zero exit or past ``timeout_s``.
     """
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    env = child_env(threads)
     cmd = [sys.executable, "-m", "grpo_npu.main_ppo", *keys, f"trainer.default_local_dir={run_dir}"]
     log = Path(tempfile.gettempdir()) / f"bench-{log_name}.log"  # outlives the work directory
     start = time.perf_counter()

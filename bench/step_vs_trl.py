@@ -36,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from bench.cli_run import REPO_ROOT, measured_steps, run_cli
+from bench.cli_run import REPO_ROOT, child_env, measured_steps, run_cli
 from bench.common import BenchResult, bench_main
 
 SIDES = ("grpo_npu_hf", "trl", "grpo_npu_vllm")
@@ -176,8 +176,7 @@ def run_trl(work: Workload, inputs: dict, root: Path, trl_path: str | None) -> d
 
     out = root / f"trl_{work.name}"
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(work.threads), "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), trl_path, os.environ.get("PYTHONPATH")]))}
+    env = child_env(work.threads, trl_path)
     apply_process_env_defaults(env)
     if work.device == "cpu":
         cpu_malloc_defaults(env)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import os
 import pytest
 
 from bench import step_vs_trl as svt
@@ -123,3 +124,17 @@ def test_missing_optional_packages_skip_a_side_with_the_install_hint(monkeypatch
     (tmp_path / "trl").mkdir()
     (tmp_path / "trl" / "__init__.py").write_text("")
     assert svt.missing_dependency("trl", str(tmp_path)) is None
+
+
+def test_a_side_does_not_inherit_the_parents_process_group_rendezvous(monkeypatch):
+    """The eos workload's SFT warm start holds a process group in the bench's own process; a side that
+    inherited MASTER_PORT failed with EADDRINUSE (seen on the TRL side)."""
+    from bench.cli_run import child_env
+
+    monkeypatch.setenv("MASTER_PORT", "44867")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    env = child_env(2, "/tmp/x")
+    assert not {"MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE"} & env.keys()
+    assert env["OMP_NUM_THREADS"] == "2" and env["PYTHONPATH"].split(os.pathsep)[1] == "/tmp/x"
