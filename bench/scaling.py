@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from bench.cli_run import measured_steps, run_cli
-from bench.common import RESULTS_DIR, BenchResult, bench_main
+from bench.common import RESULTS_DIR, BenchResult, bench_main, results_dir
 
 N = 4  # samples per prompt: a point of S sequences is S / N prompts
 # (lengths at 8 sequences, sequence counts at T=64)
@@ -134,7 +134,7 @@ def summarise(result: BenchResult) -> None:
 
 def rederive(path: Path) -> BenchResult:
     """A stored result with its targets and per-sweep notes computed again from its rows (rows, meta and the
-    other notes kept): ``python -m bench.scaling --rederive [PATH]``."""
+    other notes kept): ``python -m bench.scaling --rederive [PATH]``, which also redraws PATH's plot."""
     import json
 
     result = BenchResult(**json.loads(path.read_text()))
@@ -176,7 +176,7 @@ def run(quick: bool = False, model: str = "tiny", rollout: str = "hf", packed: b
     finally:
         shutil.rmtree(root, ignore_errors=True)
     summarise(result)
-    png = png or RESULTS_DIR / f"{result.name}.png"
+    png = png or results_dir(quick) / f"{result.name}.png"  # a --quick run never overwrites the committed plot
     missing = plot(result.rows, png)
     result.notes.append(missing or f"plot: {png.name} (dashed: ideal linear through the first point)")
     result.notes.append(f"model {model}, rollout {rollout}, {N} samples per prompt, one micro-batch per step, "
@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> BenchResult:
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if ours.rederive is not None:
         result = rederive(ours.rederive)
+        missing = plot(result.rows, ours.rederive.with_suffix(".png"))  # the plot is derived from the rows too
+        if missing:
+            print(missing)
         print(result.table())
         print(f"wrote {result.write_json(ours.rederive)}")
         return result

@@ -18,9 +18,13 @@ pytestmark = pytest.mark.slow  # every benchmark at quick sizes, one process eac
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_results")
+    committed = runner.REPO_ROOT / "bench" / "results"
+    before = {p: p.read_bytes() for p in committed.iterdir() if p.is_file()}
     proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out-dir", str(out)], cwd=runner.REPO_ROOT,
                           env={**os.environ, "PYTHONPATH": str(runner.REPO_ROOT)}, capture_output=True, text=True)
     results = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    changed = sorted(p.name for p, data in before.items() if p.read_bytes() != data)
+    assert not changed, f"a --quick run rewrote committed results: {changed}"  # a quick plot once replaced scaling.png
     return proc, results
 
 

@@ -56,6 +56,7 @@ def test_rederive_declares_step_time_targets_only(tmp_path):
     scaling.main(["--rederive", str(path)])
     out = json.loads(path.read_text())
     assert out["rows"] == rows and out["meta"] == stored["meta"]
+    assert (tmp_path / "scaling.png").is_file() or "matplotlib" in " ".join(out["notes"])  # redrawn beside it
     assert set(out["targets"]) == {"step_time_exponent_length", "step_time_exponent_batch"}
     assert out["targets"]["step_time_exponent_length"]["measured"] == pytest.approx(1.0)  # 16x time over 16x length
     assert out["targets"]["step_time_exponent_batch"] == {"measured": pytest.approx(1.5), "target": "<= 1.5",
