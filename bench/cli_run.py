@@ -88,6 +88,9 @@ def _watch(proc: subprocess.Popen, metrics: Path, timeout_s: float, every_s: flo
     return seen
 
 
+LIMIT_PREFIXES = ("perf/mfu/", "perf/limit_frac/")
+
+
 def measured_steps(run: dict, samples: int) -> dict:
     """Per timed step (the first, warm-up, step dropped): seconds, sections, tokens, memory."""
     steps = run["rows"][1:]
@@ -107,4 +110,6 @@ def measured_steps(run: dict, samples: int) -> dict:
         # on CPU the process's peak RSS (device.py's memory stats), on an accelerator the device's peak
         "peak_memory_gb": max(r.get("perf/max_memory_allocated_gb", 0.0) for r in run["rows"]),
         "cpu_s": run["cpu_s"][1:], "process_s": run["process_s"],
+        # the product's own limit metrics per timed step (perf/mfu/*, perf/limit_frac/*: grpo_npu.perf.report)
+        "limits": [{k: v for k, v in r.items() if k.startswith(LIMIT_PREFIXES)} for r in steps],
     }

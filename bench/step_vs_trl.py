@@ -12,7 +12,8 @@ defaults. ``--override`` adds grpo_npu keys on top, and the rows then say so.
 
 Workloads, identical on both sides (16 prompts x 4 samples, <= 64 new tokens, micro-batches of 16, one
 optimizer step per generation batch, low_var_kl KL loss against a reference model, gradient checkpointing,
-fp32, 2 threads, the gsm8k reward on the synthetic arithmetic task):
+fp32 on CPU and bf16 compute on an accelerator (grpo_npu's defaults; TRL ``bf16=True``), 2 threads, the
+gsm8k reward on the synthetic arithmetic task):
 - ``fixed``: a 3M-parameter random Qwen2 built here (:data:`BENCH_3M`), every response exactly 64 tokens
   (grpo_npu ``rollout.ignore_eos=True``; TRL ``min_new_tokens``);
 - ``eos``: the default job's SFT-warm-started tiny model (:mod:`grpo_npu.default_job`), which answers and
@@ -215,6 +216,7 @@ def summarise(work: Workload, side: str, measured: dict) -> dict:
     }
     if "peak_memory_gb" in measured:
         row["peak_memory_gb"] = measured["peak_memory_gb"]
+    row.update(measured.get("limits", [{}] * (best + 1))[best])  # that step's perf/mfu/*, perf/limit_frac/*
     return row
 
 
@@ -276,6 +278,13 @@ def target_name(work: Workload, side: str) -> str:
     return f"{work.name}_{side}_vs_trl_steps_per_s"
 
 
+def precision(work: Workload) -> str:
+    """The workload's arithmetic on both sides: grpo_npu's default for the device, which TRL is given too."""
+    if work.device == "cpu":
+        return "fp32"
+    return "bf16 compute with fp32 master weights (grpo_npu's default mixed precision; TRL bf16=True)"
+
+
 def describe(works: list[Workload], trl_path: str | None, load_before, load_after, quick: bool) -> list[str]:
     from grpo_npu.env import CPU_MALLOC_ENV, PROCESS_ENV_DEFAULTS
 
@@ -285,7 +294,7 @@ def describe(works: list[Workload], trl_path: str | None, load_before, load_afte
                  "tiny-sft": "the default job's SFT-warm-started tiny Qwen2 (0.9M)"}[w.model]
         length = "responses end at EOS (natural length)" if w.natural_eos else f"exactly {w.response_len} new tokens"
         notes.append(f"workload {w.name}: {model}, {w.prompts} prompts x n={w.n}, <= {w.response_len} new tokens, "
-                     f"{length}, micro-batch {w.micro_batch}, low_var_kl KL loss, gradient checkpointing, fp32, "
+                     f"{length}, micro-batch {w.micro_batch}, low_var_kl KL loss, gradient checkpointing, {precision(w)}, "
                      f"{w.threads} threads (OMP_NUM_THREADS; TRL also torch.set_num_threads), device {w.device}; "
                      f"best of {w.timed_steps} timed steps after 1 warm-up step (step_s_all: every timed step)")
     notes += [

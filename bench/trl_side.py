@@ -48,7 +48,8 @@ def trl_config_kwargs(work: dict, out_dir: Path) -> dict:
     samples = work["prompts"] * work["n"]
     d = GRPO_NPU_DEFAULTS
     return dict(
-        output_dir=str(out_dir / "trl"), seed=work["seed"], use_cpu=work["device"] == "cpu", bf16=False, fp16=False,
+        output_dir=str(out_dir / "trl"), seed=work["seed"], use_cpu=work["device"] == "cpu",
+        bf16=work["device"] != "cpu", fp16=False,  # as grpo_npu's default: bf16 compute on accelerators, fp32 on CPU
         per_device_train_batch_size=work["micro_batch"], gradient_accumulation_steps=samples // work["micro_batch"],
         num_generations=work["n"], num_iterations=1, max_completion_length=work["response_len"],
         # fixed length: EOS suppressed until T; natural EOS: generation stops at the tokenizer's EOS

@@ -136,7 +136,7 @@ import torch
 from torch import nn
 from grpo_npu import compat
 from grpo_npu.device import Device
-from grpo_npu.workers import fsdp
+from grpo_npu.workers import fsdp, fsdp_gather
 stack = compat.current()
 assert stack.fsdp2_module == "torch.distributed._composable.fsdp", stack
 assert not stack.fsdp_reshard_toggle and not stack.grad_total_norm
@@ -149,7 +149,7 @@ model(torch.ones(3, 4)).sum().backward()
 params = list(model.parameters())
 want = torch.linalg.vector_norm(torch.stack([p.grad.full_tensor().norm() for p in params]))
 torch.testing.assert_close(fsdp.grad_norm(params), want)
-with fsdp.gathered(model):  # no set_reshard_after_forward: the block runs with per-forward gathers
+with fsdp_gather.gathered(model):  # no set_reshard_after_forward: the block runs with per-forward gathers
     model(torch.ones(1, 4))
 fsdp.destroy_distributed()
 print("ok")

@@ -6,8 +6,11 @@ normal forward gathers the shards), so ``update_weights`` has nothing to do and 
 memory of their own to release.
 
 Sampling: prompts are repeated ``n`` times, interleaved (rows i*n .. i*n+n-1 belong to prompt i), and
-sampled in one ``generate`` call with the KV cache; decoding steps attend through
-:mod:`grpo_npu.rollout.decode_attention` (grouped-query attention without copying the cache). A seeded call forks the RNG and seeds it, so it is
+sampled in one call with a KV cache: the static-cache decode loop of :mod:`grpo_npu.rollout.static_decode`
+(fixed buffers, the step replayed as a CUDA graph on CUDA; on the actor's module inside its ``decoding``
+block: layers gathered once, FSDP's hooks lifted), or transformers ``generate`` for models and attention
+kernels that loop does not cover. Decoding steps attend through :mod:`grpo_npu.rollout.decode_attention`
+(grouped-query attention without copying the cache). A seeded call forks the RNG and seeds it, so it is
 reproducible and leaves the caller's RNG untouched; unlike vLLM, the seed is per call, not per sample.
 
 Log-probs (``return_logprobs``): ``log_softmax`` of the scores ``generate`` sampled from, i.e. the
@@ -28,6 +31,7 @@ from transformers import GenerationConfig
 
 from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, check_prompts, pack_responses
 from grpo_npu.rollout.decode_attention import decode_attention
+from grpo_npu.rollout.static_decode import static_generate, unsupported
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,7 @@ class HFRollout(Rollout):
         self.module = module
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self._logged_path: object = ()  # the decode path last logged (logged again when it changes)
 
     def _generation_config(self, sampling: SamplingConfig):
         """Every sampling knob set explicitly, so the checkpoint's generation_config.json cannot add any."""
@@ -93,22 +98,44 @@ class HFRollout(Rollout):
         was_training = self.module.training
         self.module.eval()
         try:
-            with _seeded(sampling.seed, device), decode_attention(self._hf_model()):  # GQA decode without KV copies
-                out = self.module.generate(
-                    input_ids=ids, attention_mask=mask, generation_config=self._generation_config(sampling)
-                )
+            with _seeded(sampling.seed, device), decode_attention(self._hf_model()) as grouped:  # GQA without KV copies
+                generated = logp = None
+                if self._static(grouped):
+                    with self._decoding() as model:
+                        if model is not None:
+                            generated, logp = static_generate(
+                                model, ids, mask, sampling, pad_token_id=self.pad_token_id,
+                                eos_token_ids=self.eos_token_ids, graphs=device.type == "cuda")
+                if generated is None:
+                    generated, logp = self._generate(ids, mask, sampling)
         finally:
             self.module.train(was_training)
-        generated = out.sequences[:, ids.shape[1] :].cpu()  # (B*n, T'), pad after a finished row's eos
-        logp = None
-        if sampling.return_logprobs:
-            # One step at a time: stacking T' x (B*n, V) scores would hold the whole vocabulary per token.
-            chosen = out.sequences[:, ids.shape[1] :]  # (B*n, T') on the model's device
-            logp = torch.stack(
-                [torch.log_softmax(s.float(), dim=-1).gather(-1, chosen[:, t, None])[:, 0] for t, s in enumerate(out.scores)],
-                dim=1,
-            ).cpu()  # (B*n, T')
-        return self._pack(generated, logp, sampling.ignore_eos)
+        return self._pack(generated.cpu(), logp.cpu() if logp is not None else None, sampling.ignore_eos)
+
+    def _generate(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig):
+        """transformers ``generate``: (tokens (B*n, T'), log-probs (B*n, T') | None), on the model's device."""
+        out = self.module.generate(input_ids=ids, attention_mask=mask, generation_config=self._generation_config(sampling))
+        generated = out.sequences[:, ids.shape[1] :]  # (B*n, T'), pad after a finished row's eos
+        if not sampling.return_logprobs:
+            return generated, None
+        # One step at a time: stacking T' x (B*n, V) scores would hold the whole vocabulary per token.
+        logp = torch.stack([torch.log_softmax(s.float(), dim=-1).gather(-1, generated[:, t, None])[:, 0]
+                            for t, s in enumerate(out.scores)], dim=1)  # (B*n, T')
+        return generated, logp
+
+    def _decoding(self):
+        """A block yielding the model to decode with (the actor wrapper's ``decoding``), or None: use generate."""
+        decoding = getattr(self.module, "decoding", None)
+        return decoding() if decoding is not None else contextlib.nullcontext(self._hf_model())
+
+    def _static(self, grouped: bool) -> bool:
+        """Whether the static-cache loop decodes (sdpa attention, now the decode attention, and a model it covers)."""
+        reason = "attention is not sdpa" if not grouped else unsupported(self._hf_model())
+        if reason != self._logged_path:
+            self._logged_path = reason
+            log.info("hf rollout: %s", "static-cache decode loop" if reason is None
+                     else f"transformers generate ({reason})")
+        return reason is None
 
     def _hf_model(self) -> nn.Module:
         """The transformers model itself: the actor's module (``workers.response_model``) wraps it as ``.hf``."""

@@ -19,7 +19,7 @@ import logging
 import os
 import re
 import socket
-from contextlib import closing, contextmanager
+from contextlib import closing
 from typing import Any, Iterator
 
 import torch
@@ -397,54 +397,3 @@ def reshard_all(module: nn.Module) -> None:
     """Free gathered parameters of every FSDP unit in ``module`` (after forward-only passes)."""
     for m in fsdp_units(module):
         m.reshard()
-
-
-@contextmanager
-def gathered(module: nn.Module) -> Iterator[None]:
-    """Every FSDP unit of ``module`` stays unsharded for the block, then is resharded.
-
-    transformers ``generate`` calls forward once per new token; with FSDP's per-forward gather and
-    free that is one all-gather per layer per token (1.9x a plain model's generate time measured on
-    an H100). Gathered once, the block pays one all-gather per layer and holds the full parameters,
-    as verl's summon_full_params around its HF rollout does. A torch without
-    ``FSDPModule.set_reshard_after_forward`` (2.5.1, 2.7.1) runs the block with the per-forward gathers.
-    """
-    if not compat.current().fsdp_reshard_toggle:
-        yield
-        return
-    units = fsdp_units(module)
-    saved = [_reshard_setting(m) for m in units]
-    try:
-        for m in units:
-            m.set_reshard_after_forward(False, recurse=False)
-            m.unshard()
-        yield
-    finally:
-        for m, setting in zip(units, saved):
-            _restore_reshard_setting(m, setting)
-            m.reshard()
-
-
-def _param_groups(state: Any) -> list:
-    """The unit's parameter groups: a list since torch 2.12 (``_fsdp_param_groups``), one group before."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [] if group is None else [group]
-
-
-def _reshard_setting(m: FSDPModule) -> tuple:
-    """FSDP2 keeps reshard-after-forward per parameter group with no public getter: read its fields."""
-    state = m._get_fsdp_state()
-    return (getattr(state, "_auto_reshard_after_forward", None),
-            [g.post_forward_mesh_info for g in _param_groups(state)])
-
-
-def _restore_reshard_setting(m: FSDPModule, setting: tuple) -> None:
-    auto, infos = setting
-    state = m._get_fsdp_state()
-    if auto is not None:
-        state._auto_reshard_after_forward = auto
-    for group, info in zip(_param_groups(state), infos):
-        group.post_forward_mesh_info = info

@@ -12,7 +12,9 @@ no (N, N) mask over a packed micro-batch is ever formed: activation memory grows
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,7 +24,7 @@ from grpo_npu import compat
 from grpo_npu.config import FSDPConfig, ModelConfig
 from grpo_npu.device import Device
 from grpo_npu.ops import PATCHABLE_OPS, VARLEN_ATTN_IMPLEMENTATIONS, linear_logprobs, patch_model
-from grpo_npu.workers import fsdp, lora as lora_lib
+from grpo_npu.workers import fsdp, fsdp_gather, lora as lora_lib
 from grpo_npu.workers.model_inputs import ModelInputs, scatter_valid
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ class CausalLMLogProbs(ResponseModel):
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(b, L, V) logits of the wrapped model's plain forward, gathered as for ``generate``: the transformers
         rollout's own scoring path, which the weight-sync canary compares with :meth:`forward`."""
-        with fsdp.gathered(self):
+        with fsdp_gather.gathered(self):
             return self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
     def generate(self, *args, **kwargs):
@@ -81,8 +83,16 @@ class CausalLMLogProbs(ResponseModel):
         the whole call rather than once per token.
         """
         kwargs.setdefault("synced_gpus", dist.is_initialized() and dist.get_world_size() > 1)
-        with fsdp.gathered(self):
+        with fsdp_gather.gathered(self):
             return self.hf.generate(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[nn.Module | None]:
+        """The wrapped model, every layer gathered and FSDP's forward hooks lifted for the block: calling it
+        runs no collective, so a rank decodes on its own (the static decode loop of the transformers
+        rollout). Yields None where this torch cannot hold the gather; then use :meth:`generate`."""
+        with fsdp_gather.gathered(self, hooks_off=True) as held:
+            yield self.hf if held else None
 
 
 def build_sharded(

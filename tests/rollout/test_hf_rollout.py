@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from grpo_npu.rollout import SamplingConfig
+from grpo_npu.rollout import hf_rollout
 from grpo_npu.rollout.hf_rollout import HFRollout
 
 
@@ -154,13 +155,13 @@ def test_unused_left_padding_is_not_generated_over(rollout, prompt_batch, monkey
     wide_ids = torch.cat([torch.zeros(ids.shape[0], pad, dtype=ids.dtype), ids], dim=1)  # (B, pad + P)
     wide_mask = torch.cat([torch.zeros(mask.shape[0], pad, dtype=mask.dtype), mask], dim=1)
     widths = []
-    real = rollout.module.generate
+    real = hf_rollout.static_generate
 
-    def recording(*args, **kwargs):
-        widths.append(kwargs["input_ids"].shape[1])
-        return real(*args, **kwargs)
+    def recording(model, ids, *args, **kwargs):
+        widths.append(ids.shape[1])
+        return real(model, ids, *args, **kwargs)
 
-    monkeypatch.setattr(rollout.module, "generate", recording)
+    monkeypatch.setattr(hf_rollout, "static_generate", recording)
     sampling = SamplingConfig(do_sample=False, max_new_tokens=6)
     narrow, wide = rollout.generate(ids, mask, sampling), rollout.generate(wide_ids, wide_mask, sampling)
     longest = int(mask.sum(dim=1).max())

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_npu.workers import fsdp
+from grpo_npu.workers import fsdp, fsdp_gather
 
 from .helpers import full_weights, make_batch, make_cfg, make_worker, max_abs_diff
 
@@ -313,27 +313,39 @@ def test_hf_generate_gathers_each_layer_once_and_reshards(tiny_model_path, monke
 
     from grpo_npu.rollout import SamplingConfig
 
-    gathers = []
-    real_unshard = FSDPParamGroup.unshard
+    gathers, forwards = [], []
+    real_unshard, real_pre_forward = FSDPParamGroup.unshard, FSDPParamGroup.pre_forward
 
     def counting(group, *args, **kwargs):
         if not group.is_unsharded and group._all_gather_result is None:
             gathers.append(group)
         return real_unshard(group, *args, **kwargs)
 
+    def counting_forward(group, *args, **kwargs):
+        forwards.append(group)
+        return real_pre_forward(group, *args, **kwargs)
+
     worker = make_worker(make_cfg(tiny_model_path, f"actor_rollout_ref.model.share_prompt_prefix={share_prefix}",
                                   "actor_rollout_ref.rollout.sync_check.enable=False"),  # the canary's probe gathers too
                          with_rollout=True)
     units = fsdp.fsdp_units(worker.actor.module)
-    settings = [fsdp._reshard_setting(m) for m in units]
+    settings = [fsdp_gather._reshard_setting(m) for m in units]
+    hooks = [(list(m._forward_pre_hooks.items()), list(m._forward_hooks.items())) for m in units]
     batch = make_batch(seed=9)
     monkeypatch.setattr(FSDPParamGroup, "unshard", counting)
+    monkeypatch.setattr(FSDPParamGroup, "pre_forward", counting_forward)
     out = worker.generate(batch.prompt_ids, batch.prompt_mask, SamplingConfig(do_sample=False, max_new_tokens=6,
                                                                              ignore_eos=True))
     monkeypatch.setattr(FSDPParamGroup, "unshard", real_unshard)
+    monkeypatch.setattr(FSDPParamGroup, "pre_forward", real_pre_forward)
     assert len(gathers) == len(units) > 2  # 6 tokens x 4 layers would be 24+ per-forward gathers
-    assert all(not g.is_unsharded for m in units for g in fsdp._param_groups(m._get_fsdp_state()))
-    assert [fsdp._reshard_setting(m) for m in units] == settings
+    # Plain sdpa: the static decode loop ran with FSDP's hooks lifted (no per-layer Python per token); the
+    # shared-prefix attention is not sdpa, so transformers generate ran through the hooks.
+    assert (forwards == []) == (not share_prefix)
+    assert all(not g.is_unsharded for m in units for g in fsdp_gather._param_groups(m._get_fsdp_state()))
+    assert [fsdp_gather._reshard_setting(m) for m in units] == settings
+    assert [(list(m._forward_pre_hooks.items()), list(m._forward_hooks.items())) for m in units] == hooks
+    assert all(pre for pre, _ in hooks)  # FSDP's hooks were there to lift, and are back, in order
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     want = plain.generate(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, do_sample=False,

@@ -1,0 +1,213 @@
+"""Static-cache decoding for the transformers rollout: fixed shapes, one forward per token, CUDA graphs on CUDA.
+
+transformers' ``generate`` grows a ``DynamicCache`` by concatenation (every layer's whole cache is copied at
+every token), rebuilds the attention mask, and runs its logits processors and stopping criteria in Python
+at every token; on an accelerator the decode step of a small model is then bound by that Python and by
+kernel launches, not by the device. This loop keeps every shape fixed for the whole call instead:
+
+- cache: per layer, (B, Nkv, P + T, D) key and value buffers allocated at the prefill and written in place
+  (``index_copy_`` at a device-side position), :class:`StaticKV` -- the one method attention layers call,
+  ``update``, is all transformers needs of a cache when positions and masks are given;
+- masks: 4-D boolean masks made here and handed to the model, which transformers passes through as
+  prepared masks. Prefill: causal and padding, with each pad position seeing itself (no fully masked row).
+  Decode: the (B, 1, 1, P + T) padding mask, the slot being written switched on inside the step;
+- positions: as ``generate`` derives them (cumulative mask count - 1), so every token sees the same
+  positions as there;
+- sampling: ``generate``'s own processors in its order (temperature, top-k, top-p), then softmax and
+  ``torch.multinomial`` (argmax when greedy) on fp32 logits; finished rows emit the pad token. A seeded
+  call draws the tokens ``generate`` draws (tests/rollout/test_static_decode.py);
+- CUDA: after one eager decode step, the step (mask update, forward, fp32 logits) is captured in a CUDA
+  graph and replayed for every later token, so a token costs one graph launch plus the sampling ops.
+
+Rows stop at eos as in ``generate``; the loop ends when every row has stopped (checked every
+``CHECK_EVERY`` tokens on an accelerator, where the check waits for the device) or at T tokens.
+:func:`unsupported` says when the loop cannot stand in for ``generate`` (the rollout then calls
+``generate``): attention other than sdpa, sliding-window layers, encoder-decoder models, or a model
+transformers does not mark as full-graph compilable.
+"""
+
+from __future__ import annotations
+
+import logging
+import inspect
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from grpo_npu.rollout.base import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+# Tokens between "has every row stopped?" checks on an accelerator (each check waits for the device);
+# on CPU every token is checked.
+DEVICE_CHECK_EVERY = 8
+
+
+class StaticKV:
+    """A transformers-compatible cache with fixed (B, Nkv, S, D) buffers, written at ``positions``."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.positions: Optional[torch.Tensor] = None  # (q,) long: the slots this forward writes
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write (B, Nkv, q, D) states at ``positions``; return the whole (B, Nkv, S, D) buffers."""
+        if layer_idx == len(self.keys):  # first (prefill) call of this layer: allocate
+            b, heads, _, dim = key_states.shape
+            self.keys.append(key_states.new_zeros((b, heads, self.length, dim)))
+            self.values.append(value_states.new_zeros((b, heads, self.length, value_states.shape[-1])))
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_copy_(2, self.positions, key_states)
+        values.index_copy_(2, self.positions, value_states)
+        return keys, values
+
+
+def unsupported(model: nn.Module) -> Optional[str]:
+    """Why the static loop cannot run ``model`` (then ``generate`` does), or None."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return "the model has no config"
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder model"
+    if not getattr(model, "_can_compile_fullgraph", False):
+        return f"{type(model).__name__} is not marked full-graph compilable by transformers"
+    layer_types = getattr(config, "layer_types", None)  # where a config lists them, they decide
+    sliding = (any(t != "full_attention" for t in layer_types) if layer_types is not None
+               else getattr(config, "sliding_window", None) is not None)
+    if sliding:
+        return "sliding-window attention layers"
+    return None
+
+
+def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """(B, V) fp32 logits -> the scores ``generate`` samples from: temperature, top-k, top-p, in its order."""
+    if sampling.greedy:
+        return logits
+    scores = logits / sampling.temperature if sampling.temperature != 1.0 else logits
+    if sampling.top_k > 0:
+        k = min(sampling.top_k, scores.shape[-1])
+        scores = scores.masked_fill(scores < torch.topk(scores, k)[0][..., -1, None], float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        remove_sorted = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - sampling.top_p)
+        remove_sorted[..., -1:] = False  # keep at least one token
+        scores = scores.masked_fill(remove_sorted.scatter(1, order, remove_sorted), float("-inf"))
+    return scores
+
+
+def _prefill_mask(keep: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, P) bool padding mask -> (B, 1, P, S) bool: causal and padding; a pad position sees itself."""
+    p = keep.shape[1]
+    causal = torch.ones(p, p, dtype=torch.bool, device=keep.device).tril()  # (P, P)
+    allowed = causal[None] & keep[:, None, :]  # (B, P, P)
+    allowed |= torch.eye(p, dtype=torch.bool, device=keep.device)[None]  # no fully masked rows
+    mask = torch.zeros(keep.shape[0], 1, p, length, dtype=torch.bool, device=keep.device)  # (B, 1, P, S)
+    mask[:, 0, :, :p] = allowed
+    return mask
+
+
+class _DecodeStep:
+    """The per-token forward on fixed buffers; on CUDA captured once and replayed."""
+
+    def __init__(self, model: nn.Module, cache: StaticKV, keep: torch.Tensor, length: int) -> None:
+        b, p = keep.shape
+        self.model, self.cache = model, cache
+        self.ids = torch.zeros(b, 1, dtype=torch.long, device=keep.device)  # (B, 1) the token fed
+        self.position_ids = torch.zeros(b, 1, dtype=torch.long, device=keep.device)  # (B, 1)
+        self.slot = torch.zeros(1, dtype=torch.long, device=keep.device)  # (1,) cache slot written
+        self.mask = torch.zeros(b, 1, 1, length, dtype=torch.bool, device=keep.device)  # (B, 1, 1, S)
+        self.mask[:, 0, 0, :p] = keep
+        self.graph = None
+        self.capture_failed = False
+        self.logits: Optional[torch.Tensor] = None  # (B, V) fp32, the graph's output buffer on CUDA
+
+    def _forward(self) -> torch.Tensor:
+        self.mask.index_fill_(-1, self.slot, True)
+        self.cache.positions = self.slot
+        out = self.model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.position_ids,
+                         past_key_values=self.cache, use_cache=True)
+        return out.logits[:, -1].float()  # (B, V)
+
+    def __call__(self, graphs: bool) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits
+        if not graphs or self.capture_failed:
+            return self._forward()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # the eager warm-up IS this token's step
+            logits = self._forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # records the step, runs nothing
+                self.logits = self._forward()
+        except RuntimeError as exc:  # the step stays eager for this call; generation is unaffected
+            log.warning("hf rollout: CUDA graph capture of the decode step failed (%s); decoding eagerly",
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            self.capture_failed = True
+            return logits
+        self.graph = graph
+        return logits
+
+    def release(self) -> None:
+        self.graph = self.logits = None
+
+
+@torch.no_grad()
+def static_generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig, *,
+                    pad_token_id: int, eos_token_ids: Sequence[int], graphs: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Sample up to T tokens after left-padded (B, P) prompts. Returns (tokens (B, T'), log-probs (B, T') | None).
+
+    Tokens after a row's eos are ``pad_token_id``; log-probs are those of the processed scores (see
+    :func:`process_logits`), as ``generate`` with ``output_scores`` gives them.
+    """
+    b, p = ids.shape
+    steps = sampling.max_new_tokens
+    length = p + steps
+    device = ids.device
+    keep = mask.bool()  # (B, P)
+    position_ids = mask.long().cumsum(-1) - 1  # (B, P), generate's convention
+    position_ids.masked_fill_(~keep, 1)
+    cache = StaticKV(length)
+    cache.positions = torch.arange(p, device=device)
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    out = model(input_ids=ids, attention_mask=_prefill_mask(keep, length), position_ids=position_ids,
+                past_key_values=cache, use_cache=True, **last_only)
+    logits = out.logits[:, -1].float()  # (B, V)
+    del out
+    step = _DecodeStep(model, cache, keep, length)
+    next_position = position_ids[:, -1:] + 1  # (B, 1): prompts are left-padded, so the last column is real
+    eos = torch.tensor(list(eos_token_ids) if not sampling.ignore_eos else [], dtype=torch.long, device=device)
+    tokens = torch.full((b, steps), pad_token_id, dtype=torch.long, device=device)  # (B, T)
+    logp = torch.zeros(b, steps, dtype=torch.float32, device=device) if sampling.return_logprobs else None
+    running = torch.ones(b, dtype=torch.bool, device=device)  # (B,)
+    check_every = 1 if device.type == "cpu" else DEVICE_CHECK_EVERY
+    done = steps
+    try:
+        for t in range(steps):
+            scores = process_logits(logits, sampling)  # (B, V)
+            if sampling.greedy:
+                token = torch.argmax(scores, dim=-1)
+            else:
+                token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            token = torch.where(running, token, pad_token_id)  # (B,)
+            tokens[:, t] = token
+            if logp is not None:
+                logp[:, t] = torch.log_softmax(scores, dim=-1).gather(-1, token[:, None])[:, 0]
+            if eos.numel():
+                running &= ~torch.isin(token, eos)
+            if t + 1 == steps or ((t + 1) % check_every == 0 and not bool(running.any())):
+                done = t + 1
+                break
+            step.ids.copy_(token[:, None])
+            step.position_ids.copy_(next_position + t)
+            step.slot.fill_(p + t)
+            logits = step(graphs)
+    finally:
+        step.release()
+    return tokens[:, :done], (logp[:, :done] if logp is not None else None)
