@@ -107,7 +107,6 @@ class UpdateLoop:
         self.grad_clip = grad_clip
         self.param_offload = fsdp_cfg.param_offload
         self.optimizer_offload = fsdp_cfg.optimizer_offload
-        self.offload_policy = fsdp_cfg.offload_policy
         self.micro_size = micro_size
         self.max_tokens = max_tokens
         self.horizon = horizon
@@ -148,35 +147,13 @@ class UpdateLoop:
         agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=self.horizon)
         groups = plan_micro_batches(mini, size=self.micro_size, max_tokens=self.max_tokens, dev=self.dev)
         scale = dist.get_world_size()  # FSDP averages gradients over ranks; the losses are global sums
-        deferred = self.deferred_reduce_units()
-        try:
-            for i, rows in enumerate(groups):
-                for unit in deferred:  # reduce once, after the mini-batch's last backward
-                    unit.set_requires_gradient_sync(i == len(groups) - 1, recurse=False)
-                out = loss_fn(trim_padding(mini.select(rows)).to(device), agg)
-                (out.loss * scale).backward()
-                if totals is not None:
-                    totals.add(out)
-        finally:
-            for unit in deferred:
-                unit.set_requires_gradient_sync(True, recurse=False)
+        for rows in groups:
+            out = loss_fn(trim_padding(mini.select(rows)).to(device), agg)
+            (out.loss * scale).backward()
+            if totals is not None:
+                totals.add(out)
         if totals is not None:
             totals.tokens += num_tokens
-
-    def deferred_reduce_units(self) -> list:
-        """The FSDP units whose gradient reduction waits for a mini-batch's last micro-batch: all of them on a
-        single rank (without CPU offload), none otherwise.
-
-        With one rank the "reduce-scatter" after every micro-batch's backward moves nothing between ranks but
-        still costs each unit a copy in, a copy out and a cast per micro-batch (12% of an update's host time
-        at the 0.5B shape on an H200, profiled). Deferred, FSDP accumulates the unsharded gradients in the
-        reduce dtype and reduces once: the same sums in the same order (tests/workers/test_update_loop_reduce.py).
-        With several ranks the unsharded accumulation would hold a full-size gradient on every rank, so the
-        reduction stays per micro-batch there.
-        """
-        if dist.get_world_size() != 1 or self.offload_policy:
-            return []
-        return fsdp.fsdp_units(self.module)
 
     def state_extra(self) -> dict:
         """The scheduler and shuffle state a checkpoint keeps beside the weights and optimizer."""

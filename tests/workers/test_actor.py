@@ -369,15 +369,15 @@ def test_reshard_setting_reads_both_fsdp_state_layouts(layout):
              "group": SimpleNamespace(_fsdp_param_group=groups[0]),
              "none": SimpleNamespace(_fsdp_param_group=None)}[layout]
     unit = SimpleNamespace(_get_fsdp_state=lambda: state)
-    setting = fsdp._reshard_setting(unit)
+    setting = fsdp_gather._reshard_setting(unit)
     want = {"groups": (True, ["a", "b"]), "group": (None, ["a"]), "none": (None, [])}[layout]
     assert setting == want
     for g in groups:
         g.post_forward_mesh_info = "changed"
     if layout == "groups":
         state._auto_reshard_after_forward = False
-    fsdp._restore_reshard_setting(unit, setting)
-    assert [g.post_forward_mesh_info for g in fsdp._param_groups(state)] == want[1]
+    fsdp_gather._restore_reshard_setting(unit, setting)
+    assert [g.post_forward_mesh_info for g in fsdp_gather._param_groups(state)] == want[1]
     assert getattr(state, "_auto_reshard_after_forward", None) == want[0]
 
 
