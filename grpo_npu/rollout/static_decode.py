@@ -9,7 +9,8 @@ kernel launches, not by the device. This loop keeps every shape fixed for the wh
   (``index_copy_`` at a device-side position), :class:`StaticKV` -- the one method attention layers call,
   ``update``, is all transformers needs of a cache when positions and masks are given;
 - masks: 4-D boolean masks made here and handed to the model, which transformers passes through as
-  prepared masks. Prefill: causal and padding, with each pad position seeing itself (no fully masked row).
+  prepared masks. Prefill: (B, 1, P, P) causal and padding over the prompt's slots alone, each pad
+  position seeing itself (no fully masked row).
   Decode: the (B, 1, 1, P + T) padding mask, the slot being written switched on inside the step;
 - positions: as ``generate`` derives them (cumulative mask count - 1), so every token sees the same
   positions as there;
@@ -52,9 +53,10 @@ class StaticKV:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.positions: Optional[torch.Tensor] = None  # (q,) long: the slots this forward writes
+        self.visible = length  # slots attention sees: the prompt's during the prefill, all of them after
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write (B, Nkv, q, D) states at ``positions``; return the whole (B, Nkv, S, D) buffers."""
+        """Write (B, Nkv, q, D) states at ``positions``; return the (B, Nkv, visible, D) views of the buffers."""
         if layer_idx == len(self.keys):  # first (prefill) call of this layer: allocate
             b, heads, _, dim = key_states.shape
             self.keys.append(key_states.new_zeros((b, heads, self.length, dim)))
@@ -62,6 +64,8 @@ class StaticKV:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         keys.index_copy_(2, self.positions, key_states)
         values.index_copy_(2, self.positions, value_states)
+        if self.visible < self.length:
+            return keys[:, :, : self.visible], values[:, :, : self.visible]
         return keys, values
 
 
@@ -98,15 +102,13 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
     return scores
 
 
-def _prefill_mask(keep: torch.Tensor, length: int) -> torch.Tensor:
-    """(B, P) bool padding mask -> (B, 1, P, S) bool: causal and padding; a pad position sees itself."""
+def _prefill_mask(keep: torch.Tensor) -> torch.Tensor:
+    """(B, P) bool padding mask -> (B, 1, P, P) bool: causal and padding; a pad position sees itself."""
     p = keep.shape[1]
     causal = torch.ones(p, p, dtype=torch.bool, device=keep.device).tril()  # (P, P)
     allowed = causal[None] & keep[:, None, :]  # (B, P, P)
     allowed |= torch.eye(p, dtype=torch.bool, device=keep.device)[None]  # no fully masked rows
-    mask = torch.zeros(keep.shape[0], 1, p, length, dtype=torch.bool, device=keep.device)  # (B, 1, P, S)
-    mask[:, 0, :, :p] = allowed
-    return mask
+    return allowed[:, None]  # (B, 1, P, P), as large as generate's own prefill mask
 
 
 class _DecodeStep:
@@ -174,12 +176,13 @@ def static_generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, sam
     position_ids = mask.long().cumsum(-1) - 1  # (B, P), generate's convention
     position_ids.masked_fill_(~keep, 1)
     cache = StaticKV(length)
-    cache.positions = torch.arange(p, device=device)
+    cache.positions, cache.visible = torch.arange(p, device=device), p  # the prefill sees the prompt's slots
     last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    out = model(input_ids=ids, attention_mask=_prefill_mask(keep, length), position_ids=position_ids,
+    out = model(input_ids=ids, attention_mask=_prefill_mask(keep), position_ids=position_ids,
                 past_key_values=cache, use_cache=True, **last_only)
     logits = out.logits[:, -1].float()  # (B, V)
     del out
+    cache.visible = length
     step = _DecodeStep(model, cache, keep, length)
     next_position = position_ids[:, -1:] + 1  # (B, 1): prompts are left-padded, so the last column is real
     eos = torch.tensor(list(eos_token_ids) if not sampling.ignore_eos else [], dtype=torch.long, device=device)

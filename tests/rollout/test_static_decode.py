@@ -113,7 +113,10 @@ def test_static_kv_writes_at_the_given_slots():
     k = torch.randn(2, 2, 3, 4)
     keys, values = cache.update(k, -k, 0)
     assert keys.shape == (2, 2, 6, 4) and torch.equal(keys[:, :, :3], k) and keys[:, :, 3:].eq(0).all()
-    cache.positions = torch.tensor([4])
+    cache.visible = 3  # the prefill sees the prompt's slots only
+    keys, _ = cache.update(k, -k, 0)
+    assert keys.shape == (2, 2, 3, 4) and torch.equal(keys, k)
+    cache.visible, cache.positions = 6, torch.tensor([4])
     step = torch.randn(2, 2, 1, 4)
     keys, values = cache.update(step, -step, 0)
     assert torch.equal(keys[:, :, 4:5], step) and torch.equal(values[:, :, 4:5], -step) and keys[:, :, 3].eq(0).all()
@@ -153,3 +156,19 @@ def test_cuda_graph_replay_matches_eager_steps(tiny_model_path, tiny_tokenizer, 
     assert graphs == [True, False]
     assert torch.equal(replayed.response_ids, eager.response_ids)
     torch.testing.assert_close(replayed.logprobs, eager.logprobs, atol=1e-5, rtol=0)
+
+
+def test_prefill_mask_covers_the_prompt_only(tiny_hf, tiny_tokenizer, prompt_batch):
+    """The prefill's mask is (B, 1, P, P) as generate's, not (B, 1, P, P + T): memory of long responses."""
+    shapes = []
+    handle = tiny_hf.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["attention_mask"].shape)), with_kwargs=True)
+    try:
+        ids, mask = prompt_batch
+        rollout = HFRollout(tiny_hf, pad_token_id=tiny_tokenizer.pad_token_id, eos_token_ids=[tiny_tokenizer.eos_token_id])
+        rollout.generate(ids, mask, SamplingConfig(n=2, do_sample=False, max_new_tokens=5, ignore_eos=True))
+    finally:
+        handle.remove()
+    rows, width = ids.shape[0] * 2, int(mask.sum(dim=1).max())
+    assert shapes[0] == (rows, 1, width, width)
+    assert shapes[1:] == [(rows, 1, 1, width + 5)] * 4
