@@ -71,3 +71,4 @@ def test_targets_one_per_floored_phase_plus_decode_and_sync_over_copy():
     assert t["weight_sync_over_copy"] == {"measured": pytest.approx(0.6 / 0.25), "target": "<= 2.0", "passed": False}
     assert sync["prepack_share_of_isolated_sync"] == pytest.approx(0.6)
     assert sync["sync_less_prepack_over_copy"] == pytest.approx(0.8)
+    assert sync["sync_over_copy_plus_prepack"] == pytest.approx(0.6 / 0.55)
