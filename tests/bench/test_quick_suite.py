@@ -12,7 +12,7 @@ import pytest
 from bench import run_all as runner
 from bench import step_vs_trl as svt
 
-pytestmark = pytest.mark.slow  # every benchmark at quick sizes, one process each: about 5 minutes on 2 idle cores
+pytestmark = pytest.mark.slow  # every benchmark at quick sizes, one process each: about 7 minutes on 2 idle cores
 
 
 @pytest.fixture(scope="module")
