@@ -197,7 +197,20 @@ def run(quick: bool = False) -> BenchResult:
     result.rows += phases + [sync_row, {"phase": "step", "seconds": min(r["timing_s/step"] for r in steps),
                                         "seconds_all": "/".join(f"{r['timing_s/step']:.3g}" for r in steps), **mfu}]
     result.notes += describe(work, floor, sync_row["seconds"], step["verdict"], load_before, quick)
+    result.notes += floor_warnings(phases, steps)
     return result
+
+
+def floor_warnings(phases: list[dict], steps: list[dict]) -> list[str]:
+    """A phase faster than its floor means the run measured the CPU's peak or bandwidth under other load: say so."""
+    below = [f"{r['phase']} {r['limit_frac']:.2f}" for r in phases if r.get("limit_frac", 0.0) > 1.0]
+    bandwidth = max(r["perf/limit_frac/gen_bandwidth"] for r in steps)
+    if bandwidth > 1.0:
+        below.append(f"gen_bandwidth {bandwidth:.2f}")
+    if not below:
+        return []
+    return [f"FLOORS DISTURBED: faster than the floor ({', '.join(below)} of it): the run measured its CPU peak or "
+            "copy bandwidth while other processes ran, so every floor here is too low; rerun on a quiet machine"]
 
 
 def describe(work: svt.Workload, floor: dict, sync_s: float, verdict: str | None, load_before,

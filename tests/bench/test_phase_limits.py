@@ -72,3 +72,11 @@ def test_targets_one_per_floored_phase_plus_decode_and_sync_over_copy():
     assert sync["prepack_share_of_isolated_sync"] == pytest.approx(0.6)
     assert sync["sync_less_prepack_over_copy"] == pytest.approx(0.8)
     assert sync["sync_over_copy_plus_prepack"] == pytest.approx(0.6 / 0.55)
+
+
+def test_a_phase_faster_than_its_floor_is_flagged():
+    quiet = [_step(10.0, 0.3, 0.9, 1.0, 0.8)]
+    assert pl.floor_warnings(pl.phase_rows(quiet), quiet) == []
+    loaded = [_step(10.0, 0.3, 1.2, 1.0, 1.4)]  # floors measured under load: gen "beats" its floor
+    (warning,) = pl.floor_warnings(pl.phase_rows(loaded), loaded)
+    assert warning.startswith("FLOORS DISTURBED") and "gen 1.20" in warning and "gen_bandwidth 1.40" in warning
