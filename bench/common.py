@@ -13,7 +13,7 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from grpo_npu.perf.hardware import best_seconds as timeit  # noqa: F401  (the benchmarks' timer)
 
@@ -63,6 +63,21 @@ class BenchResult:
             json.dump(asdict(self), f, indent=2)
         os.replace(tmp, path)
         return path
+
+
+def copy_seconds(named_tensors: Iterable[tuple[str, "torch.Tensor"]], repeat: int = 3) -> float:
+    """Best-of-``repeat`` seconds of an in-memory ``copy_`` of these tensors into preallocated ones: the floor of
+    any weight sync that moves them (the benchmarks' sync targets are ratios to it)."""
+    import torch
+
+    items = list(named_tensors)
+    copies = [torch.empty_like(t) for _, t in items]
+
+    def copy_all() -> None:
+        for dst, (_, src) in zip(copies, items):
+            dst.copy_(src)
+
+    return timeit(copy_all, repeat=repeat)
 
 
 def _fmt(v) -> str:

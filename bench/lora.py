@@ -30,7 +30,7 @@ import tempfile
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.common import BenchResult, bench_main, timeit
+from bench.common import BenchResult, bench_main, copy_seconds, timeit
 from grpo_npu.models.tiny import QWEN2_5_0_5B_SHAPE, TINY, TinySpec, build_tiny_model, make_config, train_tokenizer
 from grpo_npu.workers import lora
 from grpo_npu.workers.lora import LoraSettings, apply_lora
@@ -76,15 +76,9 @@ def _sync_times(spec: TinySpec) -> dict:
         try:
             base = [(n, t) for n, t in lora.iter_adapter_sync(hf, with_base=True) if ".lora_" not in n]
             adapters = [(n, t) for n, t in lora.iter_adapter_sync(hf, with_base=False)]
-            copies = {n: torch.empty_like(t) for n, t in base}
-
-            def copy_all():
-                for n, t in base:
-                    copies[n].copy_(t)
-
             full_s = timeit(lambda: rollout.update_weights(base + adapters), repeat=SYNC_REPEATS)
             adapter_s = timeit(lambda: rollout.update_weights(adapters), repeat=SYNC_REPEATS)
-            copy_s = timeit(copy_all, repeat=SYNC_REPEATS)
+            copy_s = copy_seconds(base, repeat=SYNC_REPEATS)
         finally:
             rollout.close()
     nbytes = lambda items: sum(t.numel() * t.element_size() for _, t in items)  # noqa: E731

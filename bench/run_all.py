@@ -23,7 +23,7 @@ from pathlib import Path
 from bench.common import BenchResult, results_dir
 
 # Run order: cheap component benchmarks first, the end-to-end comparison last.
-BENCHMARKS = ("advantage", "lora", "logprob", "rollout", "step_vs_trl", "scaling", "scaling_activations")
+BENCHMARKS = ("advantage", "lora", "logprob", "rollout", "step_vs_trl", "phase_limits", "scaling", "scaling_activations")
 PACKAGE = "bench"  # where the benchmark modules live (a test points this at a package of its own)
 SUMMARY_NAME = "summary"
 REPO_ROOT = Path(__file__).resolve().parent.parent

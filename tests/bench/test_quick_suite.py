@@ -12,7 +12,7 @@ import pytest
 from bench import run_all as runner
 from bench import step_vs_trl as svt
 
-pytestmark = pytest.mark.slow  # every benchmark at quick sizes, one process each: about 5 minutes on 2 idle cores
+pytestmark = pytest.mark.slow  # every benchmark at quick sizes, one process each: about 7 minutes on 2 idle cores
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +83,22 @@ def test_step_vs_trl_sides_did_identical_work(suite):
             ratio = rows[svt.LABELS[side]]["steps_per_s"] / trl["steps_per_s"]
             assert result["targets"][svt.target_name(work, side)]["measured"] == pytest.approx(ratio)
     assert any("load average" in n for n in result["notes"])
+
+
+def test_phase_limits_reports_every_floored_phase_of_the_cli_run(suite):
+    result = suite[1]["phase_limits"]
+    rows = {row["phase"]: row for row in result["rows"]}
+    floored = {name for name, row in rows.items() if "time_over_floor" in row}
+    assert {"gen", "sync", "update_actor", "ref"} <= floored  # KL loss on: a reference pass; vLLM: a weight sync
+    assert {f"{p}_time_over_floor" for p in floored} | {"gen_fraction_of_bandwidth_floor", "weight_sync_over_copy"} \
+        == set(result["targets"])
+    for phase in floored:
+        row = rows[phase]
+        assert row["time_over_floor"] == pytest.approx(1 / row["limit_frac"])
+        assert row["seconds"] == pytest.approx(row["floor_s"] * row["time_over_floor"])
+        assert result["targets"][f"{phase}_time_over_floor"]["measured"] == pytest.approx(row["time_over_floor"])
+    sync = rows["sync vs copy_"]
+    assert sync["seconds"] == pytest.approx(rows["sync"]["seconds"], rel=1e-6)  # the run's own weight_sync_s
+    assert result["targets"]["weight_sync_over_copy"]["measured"] == pytest.approx(sync["seconds"] / sync["copy_s"])
+    assert 0 < sync["prepack_s"] < sync["isolated_sync_s"] and sync["sync_path"] == "direct"
+    assert any("load average" in n for n in result["notes"]) and any("prepack" in n for n in result["notes"])

@@ -1,0 +1,82 @@
+"""bench.phase_limits: the product's CLI with workload keys only, and targets read from the run's own limit metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import phase_limits as pl
+from bench.common import BenchResult
+from tests.bench.test_step_vs_trl import WORKLOAD_KEYS
+
+
+def _inputs(tmp_path):
+    return {"model": str(tmp_path / "model"), "train": str(tmp_path / "train.parquet"), "prompt_tokens": 10}
+
+
+@pytest.mark.parametrize("work", [pl.WORK, pl.QUICK], ids=["full", "quick"])
+def test_the_cli_gets_only_workload_keys_with_the_vllm_rollout(work, tmp_path):
+    keys = pl.svt.workload_keys(work, _inputs(tmp_path), "vllm")
+    assert {k.split("=", 1)[0] for k in keys} <= WORKLOAD_KEYS
+    assert "actor_rollout_ref.rollout.name=vllm" in keys and "actor_rollout_ref.rollout.ignore_eos=True" in keys
+    assert f"trainer.total_training_steps={1 + work.timed_steps}" in keys and work.timed_steps >= 2
+    assert work.threads == 2 and work.device == "cpu"
+
+
+def test_full_size_is_qwen2_5_0_5b_shape():
+    from grpo_npu.models.tiny import QWEN2_5_0_5B_SHAPE
+
+    assert pl.WORK.model == "0.5b" and pl.QUICK.model != "0.5b"
+    assert (QWEN2_5_0_5B_SHAPE.hidden_size, QWEN2_5_0_5B_SHAPE.num_hidden_layers, QWEN2_5_0_5B_SHAPE.vocab_size) == (
+        896, 24, 151936)
+    assert pl.WORK.response_len <= 32 and pl.WORK.prompts * pl.WORK.n <= 8  # a step well under a few minutes
+
+
+def _step(step_s, gen_share, gen_frac, sync_s, bandwidth_frac, update_frac=0.5):
+    """A metrics.jsonl step row as the trainer writes it (perf/* from grpo_npu.perf.report.StepReport.metrics)."""
+    return {"timing_s/step": step_s, "rollout/weight_sync_s": sync_s,
+            "perf/share/gen": gen_share, "perf/floor_s/gen": gen_frac * gen_share * step_s,
+            "perf/limit_frac/gen": gen_frac, "perf/limit_frac/gen_bandwidth": bandwidth_frac,
+            "perf/share/update_actor": 0.5, "perf/floor_s/update_actor": update_frac * 0.5 * step_s,
+            "perf/limit_frac/update_actor": update_frac,
+            "perf/share/sync": sync_s / step_s, "perf/floor_s/sync": sync_s / 3, "perf/limit_frac/sync": 1 / 3,
+            "perf/share/reward": 0.01, "perf/mfu/actor": 0.4}
+
+
+def test_phase_rows_take_each_phases_best_step_from_the_metrics():
+    steps = [_step(10.0, 0.3, 0.5, 1.0, 0.4, update_frac=0.9), _step(8.0, 0.25, 0.8, 0.6, 0.55, update_frac=0.7)]
+    rows = {r["phase"]: r for r in pl.phase_rows(steps)}
+    assert set(rows) == {"gen", "update_actor", "sync", "reward"}
+    gen = rows["gen"]  # the second step is closer to gen's floor
+    assert gen["limit_frac"] == 0.8 and gen["time_over_floor"] == pytest.approx(1.25)
+    assert gen["seconds"] == pytest.approx(0.25 * 8.0) and gen["floor_s"] == pytest.approx(0.8 * 2.0)
+    assert gen["seconds_all"] == "3/2"
+    update = rows["update_actor"]  # ...but the first step is closer to the update's
+    assert update["limit_frac"] == 0.9 and update["seconds"] == pytest.approx(5.0)
+    reward = rows["reward"]  # no floor: shares only, the least time
+    assert "time_over_floor" not in reward and reward["seconds"] == pytest.approx(0.08)
+
+
+def test_targets_one_per_floored_phase_plus_decode_and_sync_over_copy():
+    steps = [_step(10.0, 0.3, 0.5, 1.0, 0.4), _step(8.0, 0.25, 0.8, 0.6, 0.55)]
+    result = BenchResult(name="phase_limits")
+    floor = {"copy_s": 0.25, "sync_s": 0.5, "prepack_s": 0.3, "state_MB": 2000.0, "sync_path": "direct", "tensors": 9}
+    sync = pl.add_targets(result, pl.phase_rows(steps), steps, floor)
+    t = result.targets
+    assert set(t) == {"gen_time_over_floor", "update_actor_time_over_floor", "sync_time_over_floor",
+                      "gen_fraction_of_bandwidth_floor", "weight_sync_over_copy"}
+    assert t["gen_time_over_floor"] == {"measured": pytest.approx(1.25), "target": "<= 1.5", "passed": True}
+    assert t["update_actor_time_over_floor"]["measured"] == pytest.approx(2.0)
+    assert not t["update_actor_time_over_floor"]["passed"] and not t["sync_time_over_floor"]["passed"]
+    assert t["gen_fraction_of_bandwidth_floor"] == {"measured": 0.55, "target": ">= 0.6", "passed": False}
+    assert t["weight_sync_over_copy"] == {"measured": pytest.approx(0.6 / 0.25), "target": "<= 2.0", "passed": False}
+    assert sync["prepack_share_of_isolated_sync"] == pytest.approx(0.6)
+    assert sync["sync_less_prepack_over_copy"] == pytest.approx(0.8)
+    assert sync["sync_over_copy_plus_prepack"] == pytest.approx(0.6 / 0.55)
+
+
+def test_a_phase_faster_than_its_floor_is_flagged():
+    quiet = [_step(10.0, 0.3, 0.9, 1.0, 0.8)]
+    assert pl.floor_warnings(pl.phase_rows(quiet), quiet) == []
+    loaded = [_step(10.0, 0.3, 1.2, 1.0, 1.4)]  # floors measured under load: gen "beats" its floor
+    (warning,) = pl.floor_warnings(pl.phase_rows(loaded), loaded)
+    assert warning.startswith("FLOORS DISTURBED") and "gen 1.20" in warning and "gen_bandwidth 1.40" in warning
