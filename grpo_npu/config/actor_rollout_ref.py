@@ -67,10 +67,10 @@ class ModelConfig:
     """Pack sequences without padding for log-prob and update passes (varlen attention, no (N, N) mask)."""
     use_fused_kernels: Optional[bool] = None
     """Patch the model with grpo_npu.ops fused kernels (None: on for NPU, off elsewhere)."""
-    share_prompt_prefix: bool = False
-    """Actor/reference passes run each distinct prompt of a micro-batch once for all its responses (packed)."""
-    use_onednn_linear: bool = False
-    """Linear layers through oneDNN's fp32 matmul on CPU (grpo_npu.ops.linear; 2.1-2.4x torch's MKL path here)."""
+    share_prompt_prefix: Optional[bool] = None
+    """Actor/reference passes run each distinct prompt of a micro-batch once for all its responses (packed; None: on for CPU, off elsewhere)."""
+    use_onednn_linear: Optional[bool] = None
+    """Linear layers through oneDNN's fp32 matmul on CPU (grpo_npu.ops.linear; 2.1-2.4x torch's MKL path here; None: on for CPU, off elsewhere)."""
     use_liger: bool = False
     """Kept for verl compatibility (Liger kernels are CUDA-only); must stay False."""
     lora_rank: int = 0

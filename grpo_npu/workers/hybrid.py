@@ -30,7 +30,8 @@ from grpo_npu.rollout.sync_check import SyncCheck, default_threshold
 from grpo_npu.workers import fsdp, lora
 from grpo_npu.workers.actor import Actor, Policy
 from grpo_npu.workers.critic import Critic, ValueHead
-from grpo_npu.workers.response_model import CausalLMLogProbs, build_sharded, compute_dtype_of, fused_kernels_on
+from grpo_npu.workers.response_model import (CausalLMLogProbs, build_sharded, compute_dtype_of, fused_kernels_on,
+                                             onednn_linear_on, share_prompt_prefix_on)
 from grpo_npu.workers.update_loop import params_on
 
 log = logging.getLogger(__name__)
@@ -86,19 +87,23 @@ class HybridWorker:
         if cfg.trainer.deterministic:
             make_deterministic()  # before any model, kernel handle or engine exists in this process
         fused = fused_kernels_on(model, dev)
-        onednn = model.use_onednn_linear  # the critic shares it: one switch for the CPU matmul path
+        onednn = onednn_linear_on(model, dev)  # the critic shares it: one switch for the CPU matmul path
+        share = share_prompt_prefix_on(model, dev)
+        if self.rank == 0:  # the auto (None) values resolved for this device: what the run actually does
+            log.info("model: use_fused_kernels=%s share_prompt_prefix=%s use_onednn_linear=%s on %s",
+                     fused, share, onednn, dev.kind)
         self.lora = lora.LoraSettings.of(model)
         actor_module = build_sharded(
             CausalLMLogProbs, path=model.path, override_config=dict(model.override_config),
             trust_remote_code=model.trust_remote_code, fsdp_cfg=arr.actor.fsdp_config, dev=dev,
             compute_dtype=compute_dtype_of(model, arr.actor.fsdp_config, dev), trainable=True,
             gradient_checkpointing=model.enable_gradient_checkpointing, fused_kernels=fused, seed=cfg.trainer.seed,
-            shared_prefix=model.share_prompt_prefix, remove_padding=model.use_remove_padding, onednn_linear=onednn,
+            shared_prefix=share, remove_padding=model.use_remove_padding, onednn_linear=onednn,
             lora=self.lora,
         )
         self.actor = Actor(actor_module, dev, arr.actor, d, remove_padding=model.use_remove_padding,
                            temperature=arr.rollout.temperature, total_steps=total_steps, seed=cfg.trainer.seed,
-                           share_prefix=model.share_prompt_prefix)
+                           share_prefix=share)
         if self.lora is not None and self.rank == 0:
             trainable, total = lora.num_params(actor_module)
             log.info("LoRA rank %d: %d of %d parameters (this rank's shards) train", self.lora.rank, trainable, total)
@@ -110,11 +115,11 @@ class HybridWorker:
                 trust_remote_code=model.trust_remote_code, fsdp_cfg=arr.ref.fsdp_config, dev=dev,
                 compute_dtype=compute_dtype_of(model, arr.ref.fsdp_config, dev), trainable=False,
                 gradient_checkpointing=False, fused_kernels=fused, seed=cfg.trainer.seed,
-                shared_prefix=model.share_prompt_prefix, remove_padding=model.use_remove_padding, onednn_linear=onednn,
+                shared_prefix=share, remove_padding=model.use_remove_padding, onednn_linear=onednn,
             )
             self.ref = Policy(ref_module, dev, remove_padding=model.use_remove_padding,
                               temperature=arr.rollout.temperature, param_offload=arr.ref.fsdp_config.param_offload,
-                              share_prefix=model.share_prompt_prefix)
+                              share_prefix=share)
         if d.use_critic:
             cm = cfg.critic.model
             critic_module = build_sharded(

@@ -182,3 +182,14 @@ def fused_kernels_on(model_cfg: ModelConfig, dev: Device) -> bool:
     """model.use_fused_kernels, where None means on for NPU and off elsewhere."""
     return model_cfg.use_fused_kernels if model_cfg.use_fused_kernels is not None else dev.kind == "npu"
 
+
+def share_prompt_prefix_on(model_cfg: ModelConfig, dev: Device) -> bool:
+    """model.share_prompt_prefix, where None means on for CPU and off elsewhere (on CUDA the packed
+    attention loops over segments: it doubled the 0.5B-shape update on an H100)."""
+    return model_cfg.share_prompt_prefix if model_cfg.share_prompt_prefix is not None else dev.kind == "cpu"
+
+
+def onednn_linear_on(model_cfg: ModelConfig, dev: Device) -> bool:
+    """model.use_onednn_linear, where None means on for CPU and off elsewhere (oneDNN's matmul is a CPU kernel)."""
+    return model_cfg.use_onednn_linear if model_cfg.use_onednn_linear is not None else dev.kind == "cpu"
+

@@ -35,6 +35,10 @@ def make_cfg(model_path: str, *overrides: str, world_size: int = 1):
         # weights then differ by ~lr x (gradient rounding), which a tight tolerance can check.
         "actor_rollout_ref.actor.optim.eps=1.0",
         "actor_rollout_ref.actor.optim.weight_decay=0.0",
+        # the plain padded path with torch's own linear layers, which these tests compare others against
+        # (both switches default to on for CPU: tests/workers/test_model_switches.py covers that)
+        "actor_rollout_ref.model.share_prompt_prefix=False",
+        "actor_rollout_ref.model.use_onednn_linear=False",
     ]
     return load_config(base + list(overrides))
 

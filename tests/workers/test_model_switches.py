@@ -1,0 +1,54 @@
+"""The device-aware model switches: None (auto) resolves per device kind, an explicit value always wins.
+
+model.use_fused_kernels: on for NPU; model.share_prompt_prefix and model.use_onednn_linear: on for CPU
+(docs/performance.md, "Defaults tried for the CLI": the default job learns as well with them; on CUDA
+share_prompt_prefix doubled the 0.5B-shape update, and oneDNN's matmul is a CPU kernel).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_npu.config import load_config
+from grpo_npu.device import Device
+from grpo_npu.workers.response_model import fused_kernels_on, onednn_linear_on, share_prompt_prefix_on
+
+from .helpers import make_batch, make_cfg, make_worker
+
+AUTO_ON = {fused_kernels_on: "npu", share_prompt_prefix_on: "cpu", onednn_linear_on: "cpu"}
+KEYS = {fused_kernels_on: "use_fused_kernels", share_prompt_prefix_on: "share_prompt_prefix",
+        onednn_linear_on: "use_onednn_linear"}
+
+
+def _model(**values):
+    base = ["actor_rollout_ref.model.path=/tmp/tiny", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
+    return load_config(base + [f"actor_rollout_ref.model.{k}={v}" for k, v in values.items()]).actor_rollout_ref.model
+
+
+@pytest.mark.parametrize("switch", list(AUTO_ON), ids=lambda f: f.__name__)
+@pytest.mark.parametrize("kind", ["cpu", "cuda", "npu"])
+def test_auto_is_on_for_one_device_kind_and_explicit_values_win(switch, kind):
+    key = KEYS[switch]
+    assert getattr(_model(), key) is None  # the schema default is auto
+    assert switch(_model(), Device(kind)) is (kind == AUTO_ON[switch])
+    for value in (True, False):
+        assert switch(_model(**{key: value}), Device(kind)) is value
+
+
+@pytest.mark.usefixtures("process_group")
+def test_cpu_worker_defaults_to_shared_prefix_and_onednn_and_false_turns_them_off(tiny_model_path):
+    """The worker acts on the resolved values: auto on CPU patches the linear layers and packs shared
+    prompts for the actor and the reference, explicit False leaves both alone; log-probs agree."""
+    logps = {}
+    for value in ("null", "False"):  # make_cfg pins both off for the other worker tests: null is the schema default
+        worker = make_worker(make_cfg(tiny_model_path, "actor_rollout_ref.actor.use_kl_loss=True",
+                                      f"actor_rollout_ref.model.share_prompt_prefix={value}",
+                                      f"actor_rollout_ref.model.use_onednn_linear={value}"))
+        on = value == "null"
+        for policy in (worker.actor, worker.ref):
+            assert policy.share_prefix is on
+            assert policy.module.onednn_linear is on
+            assert ("forward" in policy.module.hf.model.layers[0].mlp.up_proj.__dict__) is on
+        logps[value] = worker.actor.log_probs(make_batch(seed=0), micro_size=8, max_tokens=None, with_entropy=False)[0]
+    torch.testing.assert_close(logps["null"], logps["False"], atol=1e-5, rtol=0)
