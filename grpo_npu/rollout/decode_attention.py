@@ -10,9 +10,11 @@ so the tokens generated are the same (tests/rollout/test_hf_rollout.py).
 
 Prefill (several query tokens) and models without grouped heads go to transformers' own
 ``sdpa_attention_forward`` unchanged. :func:`decode_attention` switches a model whose
-``attn_implementation`` is ``"sdpa"`` to this entry for the duration of a ``generate`` call and back
-afterwards; training forwards never see it. Models on another implementation (the fused
-``"grpo_npu"`` attention, whose kernels take GQA natively; eager; flash) are left as they are.
+``attn_implementation`` is ``"sdpa"`` (on CPU also ``"grpo_npu"``, the ops attention the CPU defaults
+patch in for shared-prompt training) to this entry for the duration of a generation call and back
+afterwards; training forwards never see it. Other implementations (the ``"grpo_npu"`` attention on an
+accelerator, whose fused kernels take GQA natively; eager; flash) are left as they are. On CPU the
+one-token step is three batched products rather than SDPA's CPU kernel (:func:`_cpu_decode`).
 
 Measured on the step benchmark's 3M Qwen2 (4 heads, 2 KV heads; 16 prompts x 4 samples x 64
 tokens, 2 threads): docs/performance.md.
@@ -27,8 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grpo_npu.ops.patch import ATTN_IMPLEMENTATION as OPS_ATTN_IMPLEMENTATION
+
 ATTN_IMPLEMENTATION = "grpo_npu_decode"  # the name registered in transformers' AttentionInterface
-REPLACES = "sdpa"  # the only implementation this one stands in for
+REPLACES = "sdpa"  # the implementation this one stands in for
+PATCHED = OPS_ATTN_IMPLEMENTATION  # grpo_npu.ops' attention: replaced on CPU only
 _registered = False
 
 
@@ -83,10 +88,12 @@ def register() -> None:
 
 @contextlib.contextmanager
 def decode_attention(model: nn.Module) -> Iterator[bool]:
-    """Inside the block an ``sdpa`` model attends through :func:`decode_attention_forward`; yields whether it does."""
+    """Inside the block an ``sdpa`` model (on CPU also a ``grpo_npu``-attention one) attends through
+    :func:`decode_attention_forward`; yields whether it does. The model's own implementation is back after."""
     config = getattr(model, "config", None)
     set_impl = getattr(model, "set_attn_implementation", None)
-    if config is None or set_impl is None or getattr(config, "_attn_implementation", None) != REPLACES:
+    original = getattr(config, "_attn_implementation", None)
+    if config is None or set_impl is None or original not in _replaceable(model):
         yield False
         return
     register()
@@ -94,4 +101,12 @@ def decode_attention(model: nn.Module) -> Iterator[bool]:
     try:
         yield config._attn_implementation == ATTN_IMPLEMENTATION
     finally:
-        set_impl(REPLACES)
+        set_impl(original)
+
+
+def _replaceable(model: nn.Module) -> tuple[str, ...]:
+    """``sdpa`` everywhere; on CPU also the ``grpo_npu`` attention, which the CPU defaults patch in for training
+    (shared-prompt packing) and which computes plain masked attention at a decode step (its fused kernels, on
+    NPU, take GQA natively and stay)."""
+    param = next(model.parameters(), None)
+    return (REPLACES, PATCHED) if param is not None and param.device.type == "cpu" else (REPLACES,)

@@ -172,3 +172,23 @@ def test_prefill_mask_covers_the_prompt_only(tiny_hf, tiny_tokenizer, prompt_bat
     rows, width = ids.shape[0] * 2, int(mask.sum(dim=1).max())
     assert shapes[0] == (rows, 1, width, width)
     assert shapes[1:] == [(rows, 1, 1, width + 5)] * 4
+
+
+def test_the_cpu_ops_attention_decodes_through_the_static_loop(tiny_hf, tiny_tokenizer, prompt_batch, monkeypatch):
+    """On CPU the grpo_npu attention (patched in for shared-prompt training) is swapped for the decode attention
+    during generation, so the static loop runs; same tokens as the plain model; the patch is back afterwards."""
+    from grpo_npu.ops import patch_model
+
+    patched = copy.deepcopy(tiny_hf)
+    patch_model(patched, ops=("attention",))
+    assert patched.config._attn_implementation == "grpo_npu"
+    calls = []
+    real = hf_rollout.static_generate
+    monkeypatch.setattr(hf_rollout, "static_generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids, mask = prompt_batch
+    sampling = SAMPLINGS["all"]
+    rollout = HFRollout(patched, pad_token_id=tiny_tokenizer.pad_token_id, eos_token_ids=[tiny_tokenizer.eos_token_id])
+    out = rollout.generate(ids, mask, sampling)
+    plain = HFRollout(tiny_hf, pad_token_id=tiny_tokenizer.pad_token_id, eos_token_ids=[tiny_tokenizer.eos_token_id])
+    assert_same(out, plain.generate(ids, mask, sampling))
+    assert calls == [1, 1] and patched.config._attn_implementation == "grpo_npu"
