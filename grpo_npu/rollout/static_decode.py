@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import logging
 import inspect
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
+from grpo_npu.device import Device
 from grpo_npu.rollout.base import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -122,9 +123,8 @@ class _DecodeStep:
         self.slot = torch.zeros(1, dtype=torch.long, device=keep.device)  # (1,) cache slot written
         self.mask = torch.zeros(b, 1, 1, length, dtype=torch.bool, device=keep.device)  # (B, 1, 1, S)
         self.mask[:, 0, 0, :p] = keep
-        self.graph = None
+        self.replay: Optional[Callable[[], torch.Tensor]] = None  # the captured step (CUDA), once captured
         self.capture_failed = False
-        self.logits: Optional[torch.Tensor] = None  # (B, V) fp32, the graph's output buffer on CUDA
 
     def _forward(self) -> torch.Tensor:
         self.mask.index_fill_(-1, self.slot, True)
@@ -133,40 +133,29 @@ class _DecodeStep:
                          past_key_values=self.cache, use_cache=True)
         return out.logits[:, -1].float()  # (B, V)
 
-    def __call__(self, graphs: bool) -> torch.Tensor:
-        if self.graph is not None:
-            self.graph.replay()
-            return self.logits
-        if not graphs or self.capture_failed:
+    def __call__(self, graphs: Optional[Device]) -> torch.Tensor:
+        """This token's (B, V) fp32 logits: a graph replay once captured, else the step itself (the first
+        call with ``graphs`` runs it and captures it through :meth:`Device.capture_graph`)."""
+        if self.replay is not None:
+            return self.replay()
+        if graphs is None or self.capture_failed:
             return self._forward()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # the eager warm-up IS this token's step
-            logits = self._forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # records the step, runs nothing
-                self.logits = self._forward()
-        except RuntimeError as exc:  # the step stays eager for this call; generation is unaffected
-            log.warning("hf rollout: CUDA graph capture of the decode step failed (%s); decoding eagerly",
-                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            self.capture_failed = True
-            return logits
-        self.graph = graph
+        logits, self.replay = graphs.capture_graph(self._forward)
+        self.capture_failed = self.replay is None
         return logits
 
     def release(self) -> None:
-        self.graph = self.logits = None
+        self.replay = None
 
 
 @torch.no_grad()
 def static_generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig, *,
-                    pad_token_id: int, eos_token_ids: Sequence[int], graphs: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                    pad_token_id: int, eos_token_ids: Sequence[int], graphs: Optional[Device] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Sample up to T tokens after left-padded (B, P) prompts. Returns (tokens (B, T'), log-probs (B, T') | None).
 
     Tokens after a row's eos are ``pad_token_id``; log-probs are those of the processed scores (see
-    :func:`process_logits`), as ``generate`` with ``output_scores`` gives them.
+    :func:`process_logits`), as ``generate`` with ``output_scores`` gives them. ``graphs``: the device whose
+    graphs replay the decode step (None: every step eager).
     """
     b, p = ids.shape
     steps = sampling.max_new_tokens

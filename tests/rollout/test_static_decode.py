@@ -143,7 +143,7 @@ def test_cuda_graph_replay_matches_eager_steps(tiny_model_path, tiny_tokenizer, 
     real_release = static_decode._DecodeStep.release
 
     def recording(step):
-        graphs.append(step.graph is not None and not step.capture_failed)
+        graphs.append(step.replay is not None and not step.capture_failed)
         real_release(step)
 
     monkeypatch.setattr(static_decode._DecodeStep, "release", recording)
@@ -151,7 +151,7 @@ def test_cuda_graph_replay_matches_eager_steps(tiny_model_path, tiny_tokenizer, 
     rollout = HFRollout(model, pad_token_id=tiny_tokenizer.pad_token_id, eos_token_ids=[tiny_tokenizer.eos_token_id])
     replayed = rollout.generate(ids, mask, sampling)
     monkeypatch.setattr(hf_rollout, "static_generate",
-                        lambda *a, **k: static_decode.static_generate(*a, **{**k, "graphs": False}))
+                        lambda *a, **k: static_decode.static_generate(*a, **{**k, "graphs": None}))
     eager = rollout.generate(ids, mask, sampling)
     assert graphs == [True, False]
     assert torch.equal(replayed.response_ids, eager.response_ids)
