@@ -29,10 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grpo_npu.ops.patch import ATTN_IMPLEMENTATION as PATCHED  # grpo_npu.ops' attention: replaced on CPU only
+from grpo_npu.ops.patch import ATTN_IMPLEMENTATION as OPS_ATTN_IMPLEMENTATION
 
 ATTN_IMPLEMENTATION = "grpo_npu_decode"  # the name registered in transformers' AttentionInterface
 REPLACES = "sdpa"  # the implementation this one stands in for
+PATCHED = OPS_ATTN_IMPLEMENTATION  # grpo_npu.ops' attention: replaced on CPU only
 _registered = False
 
 

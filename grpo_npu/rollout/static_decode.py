@@ -14,9 +14,9 @@ kernel launches, not by the device. This loop keeps every shape fixed for the wh
   Decode: the (B, 1, 1, P + T) padding mask, the slot being written switched on inside the step;
 - positions: as ``generate`` derives them (cumulative mask count - 1), so every token sees the same
   positions as there;
-- sampling: transformers' own warpers, chosen and ordered as ``generate`` does (temperature, top-k,
-  top-p), then softmax and ``torch.multinomial`` (argmax when greedy) on fp32 logits; finished rows emit
-  the pad token. A seeded call draws the tokens ``generate`` draws (tests/rollout/test_static_decode.py);
+- sampling: ``generate``'s own processors in its order (temperature, top-k, top-p), then softmax and
+  ``torch.multinomial`` (argmax when greedy) on fp32 logits; finished rows emit the pad token. A seeded
+  call draws the tokens ``generate`` draws (tests/rollout/test_static_decode.py);
 - CUDA: after one eager decode step, the step (mask update, forward, fp32 logits) is captured in a CUDA
   graph and replayed for every later token, so a token costs one graph launch plus the sampling ops.
 
@@ -29,6 +29,7 @@ transformers does not mark as full-graph compilable.
 
 from __future__ import annotations
 
+import logging
 import inspect
 from typing import Callable, Optional, Sequence
 
@@ -37,6 +38,8 @@ from torch import nn
 
 from grpo_npu.device import Device
 from grpo_npu.rollout.base import SamplingConfig
+
+log = logging.getLogger(__name__)
 
 # Tokens between "has every row stopped?" checks on an accelerator (each check waits for the device);
 # on CPU every token is checked.
@@ -84,26 +87,20 @@ def unsupported(model: nn.Module) -> Optional[str]:
     return None
 
 
-def sampling_warpers(sampling: SamplingConfig) -> list:
-    """transformers' own logits warpers for ``sampling``, chosen and ordered as ``generate`` chooses them for
-    the rollout's generation config (temperature, top-k, top-p); none when greedy."""
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
+def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """(B, V) fp32 logits -> the scores ``generate`` samples from: temperature, top-k, top-p, in its order."""
     if sampling.greedy:
-        return []
-    warpers = [TemperatureLogitsWarper(sampling.temperature)] if sampling.temperature != 1.0 else []
+        return logits
+    scores = logits / sampling.temperature if sampling.temperature != 1.0 else logits
     if sampling.top_k > 0:
-        warpers.append(TopKLogitsWarper(sampling.top_k))
+        k = min(sampling.top_k, scores.shape[-1])
+        scores = scores.masked_fill(scores < torch.topk(scores, k)[0][..., -1, None], float("-inf"))
     if sampling.top_p < 1.0:
-        warpers.append(TopPLogitsWarper(sampling.top_p))
-    return warpers
-
-
-def process_logits(logits: torch.Tensor, warpers: list) -> torch.Tensor:
-    """(B, V) fp32 logits -> the scores ``generate`` samples from (the warpers read no token history)."""
-    for warp in warpers:
-        logits = warp(None, logits)
-    return logits
+        sorted_scores, order = torch.sort(scores, descending=False)
+        remove_sorted = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - sampling.top_p)
+        remove_sorted[..., -1:] = False  # keep at least one token
+        scores = scores.masked_fill(remove_sorted.scatter(1, order, remove_sorted), float("-inf"))
+    return scores
 
 
 def _prefill_mask(keep: torch.Tensor) -> torch.Tensor:
@@ -157,7 +154,7 @@ def static_generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, sam
     """Sample up to T tokens after left-padded (B, P) prompts. Returns (tokens (B, T'), log-probs (B, T') | None).
 
     Tokens after a row's eos are ``pad_token_id``; log-probs are those of the processed scores (see
-    :func:`sampling_warpers`), as ``generate`` with ``output_scores`` gives them. ``graphs``: the device whose
+    :func:`process_logits`), as ``generate`` with ``output_scores`` gives them. ``graphs``: the device whose
     graphs replay the decode step (None: every step eager).
     """
     b, p = ids.shape
@@ -181,12 +178,11 @@ def static_generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, sam
     tokens = torch.full((b, steps), pad_token_id, dtype=torch.long, device=device)  # (B, T)
     logp = torch.zeros(b, steps, dtype=torch.float32, device=device) if sampling.return_logprobs else None
     running = torch.ones(b, dtype=torch.bool, device=device)  # (B,)
-    warpers = sampling_warpers(sampling)
     check_every = 1 if device.type == "cpu" else DEVICE_CHECK_EVERY
     done = steps
     try:
         for t in range(steps):
-            scores = process_logits(logits, warpers)  # (B, V)
+            scores = process_logits(logits, sampling)  # (B, V)
             if sampling.greedy:
                 token = torch.argmax(scores, dim=-1)
             else:

@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from grpo_npu.rollout import SamplingConfig, hf_rollout
 from grpo_npu.rollout.hf_rollout import HFRollout
-from grpo_npu.rollout.static_decode import StaticKV, process_logits, sampling_warpers, unsupported
+from grpo_npu.rollout.static_decode import StaticKV, process_logits, unsupported
 
 SAMPLINGS = {
     "greedy": SamplingConfig(n=2, do_sample=False, max_new_tokens=12, return_logprobs=True),
@@ -128,8 +128,8 @@ def test_processors_match_transformers_warpers():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     s = SamplingConfig(temperature=0.8, top_k=10, top_p=0.7)
     want = TopPLogitsWarper(0.7)(None, TopKLogitsWarper(10)(None, TemperatureLogitsWarper(0.8)(None, logits)))
-    assert torch.equal(process_logits(logits, sampling_warpers(s)), want)
-    assert torch.equal(process_logits(logits, sampling_warpers(SamplingConfig(do_sample=False))), logits)
+    assert torch.equal(process_logits(logits, s), want)
+    assert torch.equal(process_logits(logits, SamplingConfig(do_sample=False)), logits)
 
 
 @pytest.mark.cuda
