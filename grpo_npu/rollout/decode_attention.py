@@ -10,10 +10,10 @@ so the tokens generated are the same (tests/rollout/test_hf_rollout.py).
 
 Prefill (several query tokens) and models without grouped heads go to transformers' own
 ``sdpa_attention_forward`` unchanged. :func:`decode_attention` switches a model whose
-``attn_implementation`` is ``"sdpa"`` (on CPU also ``"grpo_npu"``, the ops attention the CPU defaults
-patch in for shared-prompt training) to this entry for the duration of a generation call and back
-afterwards; training forwards never see it. Other implementations (the ``"grpo_npu"`` attention on an
-accelerator, whose fused kernels take GQA natively; eager; flash) are left as they are. On CPU the
+``attn_implementation`` is ``"sdpa"`` (or ``"grpo_npu"``, the ops attention patched in for shared-prompt
+training and packed rows, where it runs its PyTorch reference) to this entry for the duration of a
+generation call and back afterwards; training forwards never see it. Other implementations (the
+``"grpo_npu"`` attention on NPU, whose fused kernel takes GQA natively; eager; flash) are left as they are. On CPU the
 one-token step is three batched products rather than SDPA's CPU kernel (:func:`_cpu_decode`).
 
 Measured on the step benchmark's 3M Qwen2 (4 heads, 2 KV heads; 16 prompts x 4 samples x 64
@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grpo_npu.ops.patch import ATTN_IMPLEMENTATION as OPS_ATTN_IMPLEMENTATION
+from grpo_npu.ops import attention as attention_op
+from grpo_npu.ops.patch import ATTN_IMPLEMENTATION as PATCHED  # grpo_npu.ops' attention: replaced where unfused
 
 ATTN_IMPLEMENTATION = "grpo_npu_decode"  # the name registered in transformers' AttentionInterface
 REPLACES = "sdpa"  # the implementation this one stands in for
-PATCHED = OPS_ATTN_IMPLEMENTATION  # grpo_npu.ops' attention: replaced on CPU only
 _registered = False
 
 
@@ -88,7 +88,7 @@ def register() -> None:
 
 @contextlib.contextmanager
 def decode_attention(model: nn.Module) -> Iterator[bool]:
-    """Inside the block an ``sdpa`` model (on CPU also a ``grpo_npu``-attention one) attends through
+    """Inside the block an ``sdpa`` model (or a ``grpo_npu``-attention one on its reference path) attends through
     :func:`decode_attention_forward`; yields whether it does. The model's own implementation is back after."""
     config = getattr(model, "config", None)
     set_impl = getattr(model, "set_attn_implementation", None)
@@ -105,8 +105,10 @@ def decode_attention(model: nn.Module) -> Iterator[bool]:
 
 
 def _replaceable(model: nn.Module) -> tuple[str, ...]:
-    """``sdpa`` everywhere; on CPU also the ``grpo_npu`` attention, which the CPU defaults patch in for training
-    (shared-prompt packing) and which computes plain masked attention at a decode step (its fused kernels, on
-    NPU, take GQA natively and stay)."""
+    """``sdpa`` everywhere; also the ``grpo_npu`` attention (patched in for shared-prompt packing and for packed
+    rows, model.use_remove_padding) wherever it runs its plain-PyTorch reference, which at a decode step is
+    masked attention with the KV heads expanded. Its NPU kernel takes GQA natively and stays."""
     param = next(model.parameters(), None)
-    return (REPLACES, PATCHED) if param is not None and param.device.type == "cpu" else (REPLACES,)
+    if param is None or attention_op.BACKEND.pick(param) != "reference":
+        return (REPLACES,)
+    return (REPLACES, PATCHED)

@@ -29,7 +29,6 @@ transformers does not mark as full-graph compilable.
 
 from __future__ import annotations
 
-import logging
 import inspect
 from typing import Callable, Optional, Sequence
 
@@ -39,7 +38,6 @@ from torch import nn
 from grpo_npu.device import Device
 from grpo_npu.rollout.base import SamplingConfig
 
-log = logging.getLogger(__name__)
 
 # Tokens between "has every row stopped?" checks on an accelerator (each check waits for the device);
 # on CPU every token is checked.

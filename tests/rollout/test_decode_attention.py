@@ -70,6 +70,26 @@ def test_switch_only_for_sdpa_and_restored(tiny_hf):
         tiny_hf.set_attn_implementation("sdpa")
 
 
+def test_ops_attention_switched_on_its_reference_path_only(tiny_hf, monkeypatch):
+    """The ``grpo_npu`` attention (patched in for packed rows and prompt sharing) is switched wherever it runs its
+    PyTorch reference (CPU, CUDA: a packed-rows run on CUDA decoded through ``generate``, 6x slower at 1024
+    tokens on an H100); where its NPU kernel serves the model's tensors it stays."""
+    from grpo_npu.ops import attention as attention_op
+    from grpo_npu.ops.patch import ATTN_IMPLEMENTATION as OPS, _register_attention
+
+    _register_attention()
+    tiny_hf.set_attn_implementation(OPS)
+    try:
+        with decode_attention(tiny_hf) as on:
+            assert on and tiny_hf.config._attn_implementation == ATTN_IMPLEMENTATION
+        assert tiny_hf.config._attn_implementation == OPS
+        monkeypatch.setattr(attention_op.BACKEND, "pick", lambda x: "npu")
+        with decode_attention(tiny_hf) as on:
+            assert not on and tiny_hf.config._attn_implementation == OPS
+    finally:
+        tiny_hf.set_attn_implementation("sdpa")
+
+
 @pytest.mark.parametrize("sampling", [dict(do_sample=False), dict(temperature=1.0, seed=7), dict(temperature=0.7, seed=3, top_p=0.9)],
                          ids=["greedy", "seeded", "seeded_top_p"])
 def test_generate_same_tokens_and_logprobs_as_sdpa(tiny_hf, tiny_tokenizer, prompt_batch, monkeypatch, sampling):
