@@ -65,6 +65,30 @@ def test_rederive_declares_step_time_targets_only(tmp_path):
     assert any(n.startswith("batch: peak memory 1.118 -> 1.398 GB") and "not a target" in n for n in out["notes"])
 
 
+def test_accelerator_sweeps_cover_the_full_range_and_target_memory(tmp_path, tiny_model_path):
+    """On a lent accelerator both models run 64 -> 1024 tokens and 8 -> 128 sequences on that device, and the
+    allocator's peak has no process floor: there the memory exponent is a target beside the step time's."""
+    keys = scaling.point_keys(tiny_model_path, "train.parquet", 1024, 8, "hf", packed=False, device="cuda")
+    assert "trainer.device=cuda" in keys and "trainer.device=cpu" not in keys
+    assert scaling.ACCEL_POINTS == ((64, 256, 1024), (8, 32, 128))
+    rows = [{"sweep": "length", "x_name": "x", "x": x, "step_s": s, "peak_memory_gb": m}
+            for x, s, m in ((64, 1.0, 2.0), (256, 2.0, 5.0), (1024, 6.0, 17.0))]
+    path = tmp_path / "scaling_0.5b_cuda.json"
+    path.write_text(json.dumps({"name": "scaling_0.5b_cuda", "rows": rows, "notes": [], "targets": {},
+                                "meta": {"device": "cuda"}}))
+    scaling.main(["--rederive", str(path)])
+    targets = json.loads(path.read_text())["targets"]
+    assert set(targets) == {"step_time_exponent_length", "memory_exponent_length"}
+    assert targets["memory_exponent_length"]["measured"] == pytest.approx(1.0, abs=0.02)  # 1 + x/64 GB: linear
+    floor = [dict(r, peak_memory_gb=m) for r, m in zip(rows, (8.954, 8.954, 9.13))]  # optimizer floor, then a jump
+    path.write_text(json.dumps({"name": "scaling_0.5b_cuda", "rows": floor, "notes": [], "targets": {},
+                                "meta": {"device": "cuda"}}))
+    scaling.main(["--rederive", str(path)])
+    out = json.loads(path.read_text())
+    assert set(out["targets"]) == {"step_time_exponent_length"}
+    assert any("sits on a floor" in n for n in out["notes"])
+
+
 def test_measured_steps_drop_the_warm_up_step():
     rows = [{"timing_s/step": s, "timing_s/gen": 0.5 * s, "timing_s/update_actor": 0.25 * s, "timing_s/ref": 0.1,
              "perf/total_num_tokens": 100.0, "response_length/mean": 8.0, "perf/max_memory_allocated_gb": m}
