@@ -33,8 +33,11 @@ class FSDPConfig:
     """Keep optimizer state on the host between updates."""
     offload_policy: bool = False
     """Use FSDP2's CPUOffloadPolicy (parameters live on the host during compute too)."""
-    reshard_after_forward: bool = True
-    """FSDP2: free gathered parameters after forward (saves memory, costs a second all-gather)."""
+    reshard_after_forward: Optional[bool] = None
+    """FSDP2: free gathered parameters after forward (saves memory, costs a second all-gather in backward).
+    None: on, except for a trained model (actor, critic) sharded over one rank without LoRA or CPUOffloadPolicy,
+    where the gathered copy is the only thing freed and every layer is gathered again for backward
+    (workers/response_model.py::reshard_after_forward_on)."""
     fsdp_size: int = -1
     """Ranks per FSDP shard group (-1: all ranks)."""
     model_dtype: str = choice("fp32", DTYPE_NAMES)

@@ -140,7 +140,9 @@ def build_sharded(
         wrapper, fsdp.decoder_layers(hf_model), mesh,
         param_dtype=compute_dtype, master_dtype=master_dtype,
         reduce_dtype=fsdp.resolve_dtype(fsdp_cfg.mixed_precision.reduce_dtype, dev),
-        cpu_offload=cpu_offload, reshard_after_forward=fsdp_cfg.reshard_after_forward,
+        cpu_offload=cpu_offload,
+        reshard_after_forward=reshard_after_forward_on(fsdp_cfg, shard_ranks=mesh.shape[-1], trainable=trainable,
+                                                       lora=lora is not None, cpu_offload=cpu_offload),
         forward_prefetch=fsdp_cfg.forward_prefetch,
     )
     for method in ("generate", "logits"):  # forward methods of the root: FSDP gathers (and lazily inits) for them
@@ -168,6 +170,18 @@ def ops_to_patch(*, fused_kernels: bool, onednn_linear: bool, shared_prefix: boo
     packed = remove_padding and attn_implementation not in VARLEN_ATTN_IMPLEMENTATIONS
     wanted = {"linear": onednn_linear, "attention": shared_prefix or packed}
     return tuple(op for op in PATCHABLE_OPS if wanted.get(op))
+
+
+def reshard_after_forward_on(fsdp_cfg: FSDPConfig, *, shard_ranks: int, trainable: bool, lora: bool,
+                             cpu_offload: bool) -> bool:
+    """fsdp_config.reshard_after_forward, where None means on unless the model is trained, its shard group is one
+    rank, and neither LoRA nor CPUOffloadPolicy is on. On one rank the "sharded" parameters are whole: resharding
+    frees only the gathered copy, and backward gathers every layer again (the 0.5B-shape update on CPU: 2.8-3.2 s
+    resharded, 2.6-2.8 s kept, docs/performance.md). With LoRA the frozen base dominates and the copy would double
+    it; a forward-only model (the reference) never reaches the backward that would free the copy."""
+    if fsdp_cfg.reshard_after_forward is not None:
+        return fsdp_cfg.reshard_after_forward
+    return not (shard_ranks == 1 and trainable and not lora and not cpu_offload)
 
 
 def compute_dtype_of(model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, dev: Device) -> torch.dtype:

@@ -52,3 +52,33 @@ def test_cpu_worker_defaults_to_shared_prefix_and_onednn_and_false_turns_them_of
             assert ("forward" in policy.module.hf.model.layers[0].mlp.up_proj.__dict__) is on
         logps[value] = worker.actor.log_probs(make_batch(seed=0), micro_size=8, max_tokens=None, with_entropy=False)[0]
     torch.testing.assert_close(logps["null"], logps["False"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("explicit", [None, True, False])
+def test_reshard_after_forward_auto_keeps_the_gathered_copy_only_for_a_one_rank_full_update(explicit):
+    from grpo_npu.workers.response_model import reshard_after_forward_on
+
+    keys = [] if explicit is None else [f"actor_rollout_ref.actor.fsdp_config.reshard_after_forward={explicit}"]
+    cfg = load_config(["actor_rollout_ref.model.path=/tmp/tiny", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                       *keys]).actor_rollout_ref.actor.fsdp_config
+    assert cfg.reshard_after_forward is explicit  # None (auto) is the schema default
+    one_rank = dict(shard_ranks=1, trainable=True, lora=False, cpu_offload=False)
+    cases = {"one rank, trained": one_rank, "two ranks": {**one_rank, "shard_ranks": 2},
+             "forward only (reference)": {**one_rank, "trainable": False}, "LoRA": {**one_rank, "lora": True},
+             "CPUOffloadPolicy": {**one_rank, "cpu_offload": True}}
+    for name, case in cases.items():
+        want = explicit if explicit is not None else name != "one rank, trained"
+        assert reshard_after_forward_on(cfg, **case) is want, name
+
+
+@pytest.mark.usefixtures("process_group")
+def test_one_rank_worker_keeps_the_actors_gathered_layers_and_reshards_the_reference(tiny_model_path):
+    """What FSDP2 was told, read back from the built modules: the actor's decoder layers keep their gathered
+    parameters from forward to backward on one rank, the reference's are freed after forward."""
+    from grpo_npu.workers import fsdp, fsdp_gather
+
+    worker = make_worker(make_cfg(tiny_model_path, "actor_rollout_ref.actor.use_kl_loss=True"))
+    for policy, reshards in ((worker.actor, False), (worker.ref, True)):
+        layers = fsdp.decoder_layers(policy.module.hf)
+        groups = [g for layer in layers for g in fsdp_gather._param_groups(layer._get_fsdp_state())]
+        assert groups and all(g._reshard_after_forward is reshards for g in groups)
