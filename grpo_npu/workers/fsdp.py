@@ -106,16 +106,21 @@ def build_mesh(dev: Device, fsdp_size: int) -> DeviceMesh:
     Cached per (default group, device kind, fsdp_size): actor, reference and critic share process groups.
     """
     ws = dist.get_world_size()
-    if fsdp_size in (-1, ws):
-        shape, names = (ws,), ("fsdp",)
-    elif fsdp_size < 1 or ws % fsdp_size:
-        raise ValueError(f"fsdp_config.fsdp_size={fsdp_size} must be -1 or divide the world size {ws}")
-    else:
-        shape, names = (ws // fsdp_size, fsdp_size), ("ddp", "fsdp")
+    shard = shard_group_size(ws, fsdp_size)
+    shape, names = ((ws,), ("fsdp",)) if shard == ws else ((ws // shard, shard), ("ddp", "fsdp"))
     key = (dist.group.WORLD, dev.kind, shape[-1])  # the group object itself: a new group never hits
     if key not in _MESHES:
         _MESHES[key] = init_device_mesh(dev.kind, shape, mesh_dim_names=names)
     return _MESHES[key]
+
+
+def shard_group_size(world_size: int, fsdp_size: int) -> int:
+    """Ranks one parameter is sharded over: all of them for fsdp_size -1 (or the world size), else fsdp_size."""
+    if fsdp_size in (-1, world_size):
+        return world_size
+    if fsdp_size < 1 or world_size % fsdp_size:
+        raise ValueError(f"fsdp_config.fsdp_size={fsdp_size} must be -1 or divide the world size {world_size}")
+    return fsdp_size
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:

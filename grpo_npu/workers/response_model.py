@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from grpo_npu import compat
-from grpo_npu.config import FSDPConfig, ModelConfig
+from grpo_npu.config import ActorRolloutRefConfig, FSDPConfig, ModelConfig
 from grpo_npu.device import Device
 from grpo_npu.ops import PATCHABLE_OPS, VARLEN_ATTN_IMPLEMENTATIONS, linear_logprobs, patch_model
 from grpo_npu.workers import fsdp, fsdp_gather, lora as lora_lib
@@ -135,7 +135,7 @@ def build_sharded(
     wrapper = wrapper_cls(hf_model)
     wrapper.onednn_linear = "linear" in patch_ops
     mesh = fsdp.build_mesh(dev, fsdp_cfg.fsdp_size)
-    cpu_offload = fsdp_cfg.offload_policy and dev.is_accelerator
+    cpu_offload = cpu_offload_on(fsdp_cfg, dev)
     fsdp.shard_model(
         wrapper, fsdp.decoder_layers(hf_model), mesh,
         param_dtype=compute_dtype, master_dtype=master_dtype,
@@ -182,6 +182,20 @@ def reshard_after_forward_on(fsdp_cfg: FSDPConfig, *, shard_ranks: int, trainabl
     if fsdp_cfg.reshard_after_forward is not None:
         return fsdp_cfg.reshard_after_forward
     return not (shard_ranks == 1 and trainable and not lora and not cpu_offload)
+
+
+def actor_reshard_after_forward(arr_cfg: ActorRolloutRefConfig, dev: Device, world_size: int) -> bool:
+    """:func:`reshard_after_forward_on` with the arguments HybridWorker's :func:`build_sharded` gives the trained
+    actor, from the config (``actor_rollout_ref``) alone: the memory plan's input, known before any model is built."""
+    fsdp_cfg = arr_cfg.actor.fsdp_config
+    return reshard_after_forward_on(fsdp_cfg, shard_ranks=fsdp.shard_group_size(world_size, fsdp_cfg.fsdp_size),
+                                    trainable=True, lora=lora_lib.LoraSettings.of(arr_cfg.model) is not None,
+                                    cpu_offload=cpu_offload_on(fsdp_cfg, dev))
+
+
+def cpu_offload_on(fsdp_cfg: FSDPConfig, dev: Device) -> bool:
+    """fsdp_config.offload_policy (FSDP2's CPUOffloadPolicy) where there is a device to offload from."""
+    return bool(fsdp_cfg.offload_policy and dev.is_accelerator)
 
 
 def compute_dtype_of(model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, dev: Device) -> torch.dtype:

@@ -20,7 +20,8 @@ QWEN05 = ModelShape(hidden=896, layers=24, heads=14, kv_heads=2, head_dim=64, in
 def inputs(**kw):
     base = dict(shape=QWEN05, world_size=8, master_dtype="fp32", compute_dtype="bf16", rollout_dtype="bf16",
                 micro_batch=4, log_prob_micro_batch=8, prompt_length=512, response_length=1024, rollout_rows=64,
-                gradient_checkpointing=True, rollout="vllm", gpu_memory_utilization=0.6, capacity=64 * GIB)
+                gradient_checkpointing=True, rollout="vllm", gpu_memory_utilization=0.6, capacity=64 * GIB,
+                reshard_after_forward=True)
     return MemoryInputs(**{**base, **kw})
 
 
@@ -36,9 +37,30 @@ def test_components_follow_the_parallel_layout_and_settings():
     offload = plan_memory(inputs(optimizer_offload=True, param_offload=True))["old_log_prob"]
     assert offload["weights"] == 0 and offload["optimizer"] == 0
     one_rank = plan_memory(inputs(world_size=1))["update_actor"]
-    assert one_rank["optimizer"] == 8 * upd["optimizer"] and one_rank["gathered"] == 0
+    assert one_rank["optimizer"] == 8 * upd["optimizer"] and one_rank["gathered"] == upd["gathered"]  # whole copies
     hf = plan_memory(inputs(rollout="hf"))["rollout"]
     assert hf["kv_cache"] == 64 * (512 + 1024) * QWEN05.kv_bytes_per_token("bf16")
+
+
+# one Qwen2.5-0.5B decoder layer's matmul weights (q, o; k, v; gate, up, down) and the root unit's (the tied embedding)
+QWEN05_LAYER = 2 * 896 * 14 * 64 + 2 * 896 * 2 * 64 + 3 * 896 * 4864
+QWEN05_ROOT = 151936 * 896
+
+
+@pytest.mark.parametrize("world_size", [1, 8])
+def test_gathered_copies_follow_reshard_after_forward(world_size):
+    """FSDP's unsharded copies in the compute dtype (bf16): the root unit always (it never reshards after forward),
+    plus two decoder layers in flight when resharding, or all 24 kept from forward to backward (update) or to the
+    pass's reshard_all (old log-probs) when not. The transformers rollout holds all of them either way; vLLM's
+    rollout starts after a reshard_all. Nothing else changes."""
+    on = plan_memory(inputs(world_size=world_size, rollout="hf", reshard_after_forward=True))
+    off = plan_memory(inputs(world_size=world_size, rollout="hf", reshard_after_forward=False))
+    for phase in ("old_log_prob", "update_actor"):
+        assert on[phase]["gathered"] == (2 * QWEN05_LAYER + QWEN05_ROOT) * 2
+        assert off[phase]["gathered"] == (24 * QWEN05_LAYER + QWEN05_ROOT) * 2
+        assert {**off[phase], "gathered": 0} == {**on[phase], "gathered": 0}
+    assert on["rollout"] == off["rollout"] and on["rollout"]["gathered"] == (24 * QWEN05_LAYER + QWEN05_ROOT) * 2
+    assert "gathered" not in plan_memory(inputs(world_size=world_size, reshard_after_forward=False))["rollout"]
 
 
 def test_table_warnings_and_metrics():
@@ -54,10 +76,11 @@ def test_table_warnings_and_metrics():
 
 
 def test_the_run_logs_the_table_and_reports_the_estimate(tiny_model_path, caplog, monkeypatch):
-    cfg = load_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "trainer.n_gpus_per_node=1",
-                       "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-                       "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.name=hf",
-                       f"actor_rollout_ref.model.path={tiny_model_path}"])
+    keys = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "trainer.n_gpus_per_node=1",
+            "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.name=hf",
+            f"actor_rollout_ref.model.path={tiny_model_path}"]
+    cfg = load_config(keys)
     dev = get_device("cpu")
     with caplog.at_level(logging.INFO, logger="grpo_npu.step_limits"):
         limits = StepLimits(cfg, dev, world_size=1, use_critic=False)
@@ -65,6 +88,13 @@ def test_the_run_logs_the_table_and_reports_the_estimate(tiny_model_path, caplog
     assert not any(r.levelno >= logging.WARNING for r in caplog.records)
     metrics = limits.report({"step": 1.0, "update_actor": 0.5}, {}, [5, 5], [3, 4], n=2)
     assert 0 < metrics["perf/mem_estimate_gb/update_actor"] < 1  # the tiny model: megabytes
+    # one rank, no LoRA: auto keeps every layer's gathered copy (fp32 on CPU); resharding keeps two in flight
+    resharded = StepLimits(load_config([*keys, "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=true"]), dev,
+                           world_size=1, use_critic=False).report({"step": 1.0}, {}, [5, 5], [3, 4], n=2)
+    shape = limits.actor
+    for phase in ("old_log_prob", "update_actor"):
+        grown = metrics[f"perf/mem_estimate_gb/{phase}"] - resharded[f"perf/mem_estimate_gb/{phase}"]
+        assert grown * GIB == pytest.approx((shape.layers - 2) * shape.layer_weights * 4)
     monkeypatch.setattr(type(dev), "total_memory", lambda self, index=None: 1024)  # a 1 KiB device
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="grpo_npu.step_limits"):

@@ -71,14 +71,33 @@ def test_reshard_after_forward_auto_keeps_the_gathered_copy_only_for_a_one_rank_
         assert reshard_after_forward_on(cfg, **case) is want, name
 
 
+@pytest.mark.parametrize("world_size, keys, want", [
+    (1, [], False), (2, [], True), (2, ["actor_rollout_ref.actor.fsdp_config.fsdp_size=1"], False),  # HSDP, 1-rank shards
+    (1, ["actor_rollout_ref.model.lora_rank=8"], True), (1, ["actor_rollout_ref.actor.fsdp_config.reshard_after_forward=true"], True),
+    (2, ["actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"], False),
+    (1, ["actor_rollout_ref.actor.fsdp_config.offload_policy=true"], False)])  # no CPUOffloadPolicy on a CPU run
+def test_the_memory_plan_resolves_the_actors_resharding_from_the_config(world_size, keys, want):
+    from grpo_npu.workers.response_model import actor_reshard_after_forward
+
+    cfg = load_config(["actor_rollout_ref.model.path=/tmp/tiny", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                       *keys]).actor_rollout_ref
+    assert actor_reshard_after_forward(cfg, Device("cpu"), world_size) is want
+    if "offload_policy" in " ".join(keys):
+        assert actor_reshard_after_forward(cfg, Device("cuda"), world_size) is True  # CPUOffloadPolicy from a device
+
+
 @pytest.mark.usefixtures("process_group")
 def test_one_rank_worker_keeps_the_actors_gathered_layers_and_reshards_the_reference(tiny_model_path):
     """What FSDP2 was told, read back from the built modules: the actor's decoder layers keep their gathered
     parameters from forward to backward on one rank, the reference's are freed after forward."""
     from grpo_npu.workers import fsdp, fsdp_gather
 
-    worker = make_worker(make_cfg(tiny_model_path, "actor_rollout_ref.actor.use_kl_loss=True"))
+    from grpo_npu.workers.response_model import actor_reshard_after_forward
+
+    cfg = make_cfg(tiny_model_path, "actor_rollout_ref.actor.use_kl_loss=True")
+    worker = make_worker(cfg)
     for policy, reshards in ((worker.actor, False), (worker.ref, True)):
         layers = fsdp.decoder_layers(policy.module.hf)
         groups = [g for layer in layers for g in fsdp_gather._param_groups(layer._get_fsdp_state())]
         assert groups and all(g._reshard_after_forward is reshards for g in groups)
+    assert actor_reshard_after_forward(cfg.actor_rollout_ref, worker.dev, world_size=1) is False  # the memory plan's
