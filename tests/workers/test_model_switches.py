@@ -86,6 +86,16 @@ def test_the_memory_plan_resolves_the_actors_resharding_from_the_config(world_si
         assert actor_reshard_after_forward(cfg, Device("cuda"), world_size) is True  # CPUOffloadPolicy from a device
 
 
+def test_shard_group_size_follows_fsdp_size():
+    """build_mesh's shard dimension, which the resolution above reads from the config: all ranks for -1."""
+    from grpo_npu.workers.fsdp import shard_group_size
+
+    assert [shard_group_size(8, size) for size in (-1, 8, 4, 1)] == [8, 8, 4, 1]
+    for bad in (3, 0, -2, 16):
+        with pytest.raises(ValueError, match="fsdp_size"):
+            shard_group_size(8, bad)
+
+
 @pytest.mark.usefixtures("process_group")
 def test_one_rank_worker_keeps_the_actors_gathered_layers_and_reshards_the_reference(tiny_model_path):
     """What FSDP2 was told, read back from the built modules: the actor's decoder layers keep their gathered
