@@ -83,7 +83,9 @@ def test_update_estimate_within_30_percent_of_the_profiler_peak(tiny_model_path,
 # -- reshard_after_forward: the gathered copies FSDP keeps -------------------------------------------------------
 # A deeper tiny Qwen2 (12 layers): its weights are a visible share of a small batch's peak, and the decoder layers'
 # gathered copies (all of them with resharding off, two in flight with it on) differ by far more than the
-# profiler's noise. Few rows and short responses keep the activations small beside them.
+# profiler's noise. Few rows and short responses keep the activations small beside them. Measured (torch 2.13,
+# CPU): off - on = 7.54 / 7.76 MiB for the update with / without checkpointing, 8.27 MiB for the old log-probs, against
+# the plan's 10 layers x 0.75 MiB = 7.50 MiB; a plan that counts no gathered layer on one rank gives 0.
 DEEP = TinySpec(name="tiny-qwen2-12-layers", num_hidden_layers=12)
 RESHARD_ROWS, RESHARD_RESPONSE = 2, 4
 
