@@ -19,6 +19,7 @@ without the leading 0 (lengths 2,2,2 -> [2, 4, 6]). A masked query row with no k
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -34,6 +35,7 @@ COMPRESSED_MASK_SIZE = 2048
 SPARSE_MODE_DEFAULT_MASK = 0  # atten_mask used as given (or full attention when it is None)
 SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3  # bottom-right aligned causal, from the compressed mask
 _compressed_masks: dict[torch.device, torch.Tensor] = {}
+CACHED_MASK_ELEMENTS = 64 * 1024  # causal masks up to this size are kept (at most 1024 of them: <= 64 MiB)
 
 
 def set_backend(name: str | None) -> None:
@@ -58,7 +60,15 @@ def _offsets(cu_seqlens: Sequence[int] | torch.Tensor, total: int, name: str) ->
 
 
 def _bottom_right_causal(sq: int, skv: int, device: torch.device) -> torch.Tensor:
-    """(Sq, Skv) bool, True where query i may see key j (j <= i + Skv - Sq)."""
+    """(Sq, Skv) bool, True where query i may see key j (j <= i + Skv - Sq). Small ones are cached (varlen
+    attention asks for one per segment, in every layer): never modify the result."""
+    if sq * skv <= CACHED_MASK_ELEMENTS:
+        return _cached_bottom_right_causal(sq, skv, device)
+    return torch.ones(sq, skv, dtype=torch.bool, device=device).tril(diagonal=skv - sq)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_bottom_right_causal(sq: int, skv: int, device: torch.device) -> torch.Tensor:
     return torch.ones(sq, skv, dtype=torch.bool, device=device).tril(diagonal=skv - sq)
 
 
@@ -86,14 +96,18 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     """torch SDPA per batch (padded) or per sequence (varlen)."""
     if q_offsets is None:
         return _sdpa_bsnd(q, k, v, causal, attn_mask, scale)
+    q_lens = [qe - qs for qs, qe in zip(q_offsets, q_offsets[1:])]
+    k_lens = [ke - ks for ks, ke in zip(k_offsets, k_offsets[1:])]
     outs = []
-    for qs, qe, ks, ke in zip(q_offsets, q_offsets[1:], k_offsets, k_offsets[1:]):
-        if qe == qs:
+    # split, not slicing: one backward node concatenates the segments' gradients, where a slice each would
+    # scatter its gradient into a zero tensor of the whole input
+    for qs, q_seg, k_seg, v_seg in zip(q_offsets, q.split(q_lens), k.split(k_lens), v.split(k_lens)):
+        if not q_seg.shape[0]:
             continue
-        if ke == ks:
-            raise ValueError(f"attention: query tokens {qs}:{qe} have no keys (empty kv segment)")
-        outs.append(_sdpa_bsnd(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], causal, None, scale)[0])
-    return torch.cat(outs)
+        if not k_seg.shape[0]:
+            raise ValueError(f"attention: query tokens {qs}:{qs + q_seg.shape[0]} have no keys (empty kv segment)")
+        outs.append(_sdpa_bsnd(q_seg[None], k_seg[None], v_seg[None], causal, None, scale)[0])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _compressed_causal_mask(device: torch.device) -> torch.Tensor:

@@ -82,6 +82,49 @@ def test_reference_varlen_matches_per_sequence(lengths, reference_backend):
         start += n
 
 
+# (query length, key length) per segment, shared-prompt style: prompt segments (Sq = Skv), responses that also
+# see their prompt (Sq < Skv), and an empty query segment.
+SHARED_PREFIX = [(9, 9), (3, 12), (5, 14), (1, 10), (7, 7), (0, 4), (2, 9), (6, 13), (4, 11)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_varlen_separate_key_segments_fwd_bwd(causal, reference_backend):
+    """cu_seqlens_k apart from cu_seqlens: outputs and gradients of a naive softmax per segment, and bit for bit
+    those of the op's SDPA call per segment on slices of the inputs (what it computed before it split them)."""
+    tq, tk = sum(a for a, _ in SHARED_PREFIX), sum(b for _, b in SHARED_PREFIX)
+    q = torch.randn(tq, 4, 16, requires_grad=True)
+    k, v = (torch.randn(tk, 2, 16, requires_grad=True) for _ in range(2))
+    out = op.attention(q, k, v, causal=causal, cu_seqlens=op.cu_seqlens_from_lengths([a for a, _ in SHARED_PREFIX]),
+                       cu_seqlens_k=op.cu_seqlens_from_lengths([b for _, b in SHARED_PREFIX]))
+    g = torch.randn_like(out)
+    grads = _grads(out, (q, k, v), g)
+    wants, sliced, qs, ks = [], [], 0, 0
+    for a, b in SHARED_PREFIX:
+        keep = _causal_keep(a, b) if causal else torch.ones(a, b, dtype=torch.bool)
+        wants.append(_naive(q[None, qs:qs + a], k[None, ks:ks + b], v[None, ks:ks + b], keep, 0.25)[0])
+        if a:
+            sliced.append(op._sdpa_bsnd(q[None, qs:qs + a], k[None, ks:ks + b], v[None, ks:ks + b], causal, None,
+                                        0.25)[0])
+        qs, ks = qs + a, ks + b
+    want = torch.cat(wants)
+    torch.testing.assert_close(out, want.float())
+    for got, ref in zip(grads, _grads(want, (q, k, v), g.double())):
+        torch.testing.assert_close(got, ref.float())
+    per_slice = torch.cat(sliced)
+    assert torch.equal(out, per_slice)
+    assert all(torch.equal(a, b) for a, b in zip(grads, _grads(per_slice, (q, k, v), g)))
+
+
+def test_bottom_right_causal_masks_cached_only_when_small():
+    small = op._bottom_right_causal(3, 5, torch.device("cpu"))
+    assert small is op._bottom_right_causal(3, 5, torch.device("cpu"))
+    torch.testing.assert_close(small, _causal_keep(3, 5))
+    side = int(op.CACHED_MASK_ELEMENTS**0.5) + 1
+    big = op._bottom_right_causal(side, side, torch.device("cpu"))
+    assert big is not op._bottom_right_causal(side, side, torch.device("cpu"))
+    torch.testing.assert_close(big, _causal_keep(side, side))
+
+
 def _grads(out, inputs, g):
     return torch.autograd.grad(out, inputs, g)
 
