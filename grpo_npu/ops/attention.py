@@ -62,14 +62,15 @@ def _offsets(cu_seqlens: Sequence[int] | torch.Tensor, total: int, name: str) ->
 def _bottom_right_causal(sq: int, skv: int, device: torch.device) -> torch.Tensor:
     """(Sq, Skv) bool, True where query i may see key j (j <= i + Skv - Sq). Small ones are cached (varlen
     attention asks for one per segment, in every layer): never modify the result."""
-    if sq * skv <= CACHED_MASK_ELEMENTS:
-        return _cached_bottom_right_causal(sq, skv, device)
+    build = _cached_bottom_right_causal if sq * skv <= CACHED_MASK_ELEMENTS else _new_bottom_right_causal
+    return build(sq, skv, device)
+
+
+def _new_bottom_right_causal(sq: int, skv: int, device: torch.device) -> torch.Tensor:
     return torch.ones(sq, skv, dtype=torch.bool, device=device).tril(diagonal=skv - sq)
 
 
-@functools.lru_cache(maxsize=1024)
-def _cached_bottom_right_causal(sq: int, skv: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(sq, skv, dtype=torch.bool, device=device).tril(diagonal=skv - sq)
+_cached_bottom_right_causal = functools.lru_cache(maxsize=1024)(_new_bottom_right_causal)
 
 
 def _sdpa_bsnd(q, k, v, causal: bool, attn_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
