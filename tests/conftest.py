@@ -40,12 +40,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def tiny_model_path(tmp_path_factory):
+def tiny_cache(tmp_path_factory):
+    """Where the session's tiny models are built: $GRPO_NPU_TEST_CACHE, else a session temp folder."""
+    return os.environ.get("GRPO_NPU_TEST_CACHE") or tmp_path_factory.mktemp("tiny_cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tiny_cache):
     """The offline tiny Qwen2 + tokenizer kit, built once per test session (a few seconds)."""
     from grpo_npu.models.tiny import build_tiny_model
 
-    cache = os.environ.get("GRPO_NPU_TEST_CACHE") or tmp_path_factory.mktemp("tiny_cache")
-    return str(build_tiny_model(cache))
+    return str(build_tiny_model(tiny_cache))
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,6 @@ allocator's retained memory and everything else in the process.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from transformers import AutoConfig
@@ -91,9 +89,8 @@ RESHARD_ROWS, RESHARD_RESPONSE = 2, 4
 
 
 @pytest.fixture(scope="module")
-def deep_tiny_path(tmp_path_factory):
-    cache = os.environ.get("GRPO_NPU_TEST_CACHE") or tmp_path_factory.mktemp("tiny_cache")
-    return str(build_tiny_model(cache, DEEP))
+def deep_tiny_path(tiny_cache):
+    return str(build_tiny_model(tiny_cache, DEEP))
 
 
 def measured_log_prob_peak(worker, batch) -> int:
