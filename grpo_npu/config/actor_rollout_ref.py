@@ -74,6 +74,8 @@ class ModelConfig:
     """Actor/reference passes run each distinct prompt of a micro-batch once for all its responses (packed; None: on for CPU, off elsewhere)."""
     use_onednn_linear: Optional[bool] = None
     """Linear layers through oneDNN's fp32 matmul on CPU (grpo_npu.ops.linear; 2.1-2.4x torch's MKL path here; None: on for CPU, off elsewhere)."""
+    compile_layers: bool = False
+    """torch.compile each decoder layer for the update and log-prob passes (actor, reference, critic; decoding stays eager): CUDA or CPU, without the oneDNN linear; off by default (docs/configuration.md says why)."""
     use_liger: bool = False
     """Kept for verl compatibility (Liger kernels are CUDA-only); must stay False."""
     lora_rank: int = 0

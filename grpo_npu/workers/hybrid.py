@@ -30,8 +30,8 @@ from grpo_npu.rollout.sync_check import SyncCheck, default_threshold
 from grpo_npu.workers import fsdp, lora
 from grpo_npu.workers.actor import Actor, Policy
 from grpo_npu.workers.critic import Critic, ValueHead
-from grpo_npu.workers.response_model import (CausalLMLogProbs, build_sharded, compute_dtype_of, fused_kernels_on,
-                                             onednn_linear_on, share_prompt_prefix_on)
+from grpo_npu.workers.response_model import (CausalLMLogProbs, build_sharded, compile_layers_on, compute_dtype_of,
+                                             fused_kernels_on, onednn_linear_on, share_prompt_prefix_on)
 from grpo_npu.workers.update_loop import params_on
 
 log = logging.getLogger(__name__)
@@ -89,9 +89,10 @@ class HybridWorker:
         fused = fused_kernels_on(model, dev)
         onednn = onednn_linear_on(model, dev)  # the critic shares it: one switch for the CPU matmul path
         share = share_prompt_prefix_on(model, dev)
+        compiled = compile_layers_on(model, dev, onednn_linear=onednn)  # one switch for the actor, reference and critic, as onednn
         if self.rank == 0:  # the auto (None) values resolved for this device: what the run actually does
-            log.info("model: use_fused_kernels=%s share_prompt_prefix=%s use_onednn_linear=%s on %s",
-                     fused, share, onednn, dev.kind)
+            log.info("model: use_fused_kernels=%s share_prompt_prefix=%s use_onednn_linear=%s compile_layers=%s on %s",
+                     fused, share, onednn, compiled, dev.kind)
         self.lora = lora.LoraSettings.of(model)
         actor_module = build_sharded(
             CausalLMLogProbs, path=model.path, override_config=dict(model.override_config),
@@ -99,7 +100,7 @@ class HybridWorker:
             compute_dtype=compute_dtype_of(model, arr.actor.fsdp_config, dev), trainable=True,
             gradient_checkpointing=model.enable_gradient_checkpointing, fused_kernels=fused, seed=cfg.trainer.seed,
             shared_prefix=share, remove_padding=model.use_remove_padding, onednn_linear=onednn,
-            lora=self.lora,
+            lora=self.lora, compile_layers=compiled,
         )
         self.actor = Actor(actor_module, dev, arr.actor, d, remove_padding=model.use_remove_padding,
                            temperature=arr.rollout.temperature, total_steps=total_steps, seed=cfg.trainer.seed,
@@ -116,6 +117,7 @@ class HybridWorker:
                 compute_dtype=compute_dtype_of(model, arr.ref.fsdp_config, dev), trainable=False,
                 gradient_checkpointing=False, fused_kernels=fused, seed=cfg.trainer.seed,
                 shared_prefix=share, remove_padding=model.use_remove_padding, onednn_linear=onednn,
+                compile_layers=compiled,
             )
             self.ref = Policy(ref_module, dev, remove_padding=model.use_remove_padding,
                               temperature=arr.rollout.temperature, param_offload=arr.ref.fsdp_config.param_offload,
@@ -128,6 +130,7 @@ class HybridWorker:
                 compute_dtype=compute_dtype_of(model, cm.fsdp_config, dev), trainable=True,
                 gradient_checkpointing=cm.enable_gradient_checkpointing, fused_kernels=fused, value_head=True,
                 seed=cfg.trainer.seed, remove_padding=cm.use_remove_padding, onednn_linear=onednn,
+                compile_layers=compiled,
             )
             self.critic = Critic(critic_module, dev, cfg.critic, d, default_agg_mode=arr.actor.loss_agg_mode,
                                  default_epochs=arr.actor.ppo_epochs, default_dynamic_bsz=arr.actor.use_dynamic_bsz,

@@ -24,7 +24,7 @@ from grpo_npu import compat
 from grpo_npu.config import ActorRolloutRefConfig, FSDPConfig, ModelConfig
 from grpo_npu.device import Device
 from grpo_npu.ops import PATCHABLE_OPS, VARLEN_ATTN_IMPLEMENTATIONS, linear_logprobs, patch_model
-from grpo_npu.workers import fsdp, fsdp_gather, lora as lora_lib
+from grpo_npu.workers import compiled_layers, fsdp, fsdp_gather, lora as lora_lib
 from grpo_npu.workers.model_inputs import ModelInputs, scatter_valid
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class CausalLMLogProbs(ResponseModel):
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(b, L, V) logits of the wrapped model's plain forward, gathered as for ``generate``: the transformers
         rollout's own scoring path, which the weight-sync canary compares with :meth:`forward`."""
-        with fsdp_gather.gathered(self):
+        with fsdp_gather.gathered(self), compiled_layers.eager_layers():
             return self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
     def generate(self, *args, **kwargs):
@@ -83,7 +83,7 @@ class CausalLMLogProbs(ResponseModel):
         the whole call rather than once per token.
         """
         kwargs.setdefault("synced_gpus", dist.is_initialized() and dist.get_world_size() > 1)
-        with fsdp_gather.gathered(self):
+        with fsdp_gather.gathered(self), compiled_layers.eager_layers():
             return self.hf.generate(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -91,7 +91,7 @@ class CausalLMLogProbs(ResponseModel):
         """The wrapped model, every layer gathered and FSDP's forward hooks lifted for the block: calling it
         runs no collective, so a rank decodes on its own (the static decode loop of the transformers
         rollout). Yields None where this torch cannot hold the gather; then use :meth:`generate`."""
-        with fsdp_gather.gathered(self, hooks_off=True) as held:
+        with fsdp_gather.gathered(self, hooks_off=True) as held, compiled_layers.eager_layers():
             yield self.hf if held else None
 
 
@@ -113,6 +113,7 @@ def build_sharded(
     remove_padding: bool = False,
     onednn_linear: bool = False,
     lora: lora_lib.LoraSettings | None = None,
+    compile_layers: bool = False,
 ) -> ResponseModel:
     """Load (rank 0 reads, others meta), patch, checkpoint, wrap and shard an HF model; weights from rank 0."""
     master_dtype = fsdp.resolve_dtype(fsdp_cfg.model_dtype, dev) if trainable else compute_dtype
@@ -129,6 +130,8 @@ def build_sharded(
         log.info("patched ops: %s", patch_model(hf_model, ops=patch_ops))
     if gradient_checkpointing:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile_layers:  # the layers' own forward: checkpointing and FSDP's hooks stay around it, in eager code
+        compiled_layers.compile_layers(fsdp.decoder_layers(hf_model))
     if lora is None:  # with LoRA the adapters alone require grad (apply_lora froze the rest)
         hf_model.requires_grad_(trainable)
     full_state = hf_model.state_dict() if dist.get_rank() == 0 and dist.get_world_size() > 1 else {}
@@ -215,6 +218,21 @@ def share_prompt_prefix_on(model_cfg: ModelConfig, dev: Device) -> bool:
     """model.share_prompt_prefix, where None means on for CPU and off elsewhere (on CUDA the packed
     attention loops over segments: it doubled the 0.5B-shape update on an H100)."""
     return model_cfg.share_prompt_prefix if model_cfg.share_prompt_prefix is not None else dev.kind == "cpu"
+
+
+def compile_layers_on(model_cfg: ModelConfig, dev: Device, *, onednn_linear: bool) -> bool:
+    """model.compile_layers (off by default: on an H100 the CLI's first steps spent minutes compiling, docs/performance.md),
+    refused in one line where inductor cannot build kernels for the device, or beside the oneDNN linear
+    (``onednn_linear``, resolved: inductor cannot lower its op)."""
+    if not model_cfg.compile_layers:
+        return False
+    reason = compiled_layers.missing_compiler(dev.kind)
+    if reason is None and onednn_linear:
+        reason = ("inductor cannot compile the oneDNN linear (model.use_onednn_linear, on by default on CPU); "
+                  "set actor_rollout_ref.model.use_onednn_linear=False with it")
+    if reason is not None:
+        raise ValueError(f"actor_rollout_ref.model.compile_layers=True: {reason}")
+    return True
 
 
 def onednn_linear_on(model_cfg: ModelConfig, dev: Device) -> bool:

@@ -27,7 +27,7 @@ def _model(**values):
 
 
 @pytest.mark.parametrize("switch", list(AUTO_ON), ids=lambda f: f.__name__)
-@pytest.mark.parametrize("kind", ["cpu", "cuda", "npu"])
+@pytest.mark.parametrize("kind", ["cpu", "cuda", "npu"], ids=lambda k: f"kind_{k}")  # not the hardware marks
 def test_auto_is_on_for_one_device_kind_and_explicit_values_win(switch, kind):
     key = KEYS[switch]
     assert getattr(_model(), key) is None  # the schema default is auto
