@@ -73,21 +73,36 @@ def _new_bottom_right_causal(sq: int, skv: int, device: torch.device) -> torch.T
 _cached_bottom_right_causal = functools.lru_cache(maxsize=1024)(_new_bottom_right_causal)
 
 
-def _sdpa_bsnd(q, k, v, causal: bool, attn_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    sq, skv = q.shape[1], k.shape[1]
-    if causal and (attn_mask is not None or sq != skv):
-        keep = _bottom_right_causal(sq, skv, q.device)  # SDPA's is_causal is top-left aligned
-        attn_mask = keep if attn_mask is None else attn_mask & keep
+def _causal_bias(sq: int, skv: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(Sq, Skv) additive mask of :func:`_bottom_right_causal`: 0 where seen, -inf elsewhere, the tensor torch SDPA
+    makes of a bool mask on every call (same values, so the same results); small ones are cached likewise."""
+    build = _cached_causal_bias if sq * skv <= CACHED_MASK_ELEMENTS else _new_causal_bias
+    return build(sq, skv, dtype, device)
+
+
+def _new_causal_bias(sq: int, skv: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    keep = _bottom_right_causal(sq, skv, device)
+    return torch.zeros(sq, skv, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+
+
+_cached_causal_bias = functools.lru_cache(maxsize=1024)(_new_causal_bias)
+
+
+def _sdpa_bhsd(q, k, v, causal: bool, attn_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """torch SDPA on (B, N, S, D) with a bottom-right aligned ``causal`` -> (B, Nq, Sq, D)."""
+    sq, skv = q.shape[2], k.shape[2]
+    if causal and (attn_mask is not None or sq != skv):  # SDPA's is_causal is top-left aligned
+        if attn_mask is None:
+            attn_mask = _causal_bias(sq, skv, q.dtype, q.device)
+        else:
+            attn_mask = attn_mask & _bottom_right_causal(sq, skv, q.device)
         causal = False
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=attn_mask,
-        is_causal=causal,
-        scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _sdpa_bsnd(q, k, v, causal: bool, attn_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    out = _sdpa_bhsd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, attn_mask, scale)
     return out.transpose(1, 2)  # (B, Sq, Nq, D)
 
 
@@ -100,14 +115,17 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     q_lens = [qe - qs for qs, qe in zip(q_offsets, q_offsets[1:])]
     k_lens = [ke - ks for ks, ke in zip(k_offsets, k_offsets[1:])]
     outs = []
-    # split, not slicing: one backward node concatenates the segments' gradients, where a slice each would
-    # scatter its gradient into a zero tensor of the whole input
-    for qs, q_seg, k_seg, v_seg in zip(q_offsets, q.split(q_lens), k.split(k_lens), v.split(k_lens)):
-        if not q_seg.shape[0]:
+    # Heads first once, then split, not sliced: each segment is a (1, N, S, D) view with the strides SDPA saw when
+    # every segment was transposed on its own (the same results, a few view ops less per segment), and one backward
+    # node concatenates the segments' gradients, where a slice each would scatter its gradient into a zero tensor.
+    q_h, k_h, v_h = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (N, T, D)
+    for qs, q_seg, k_seg, v_seg in zip(q_offsets, q_h.split(q_lens, 1), k_h.split(k_lens, 1), v_h.split(k_lens, 1)):
+        if not q_seg.shape[1]:
             continue
-        if not k_seg.shape[0]:
-            raise ValueError(f"attention: query tokens {qs}:{qs + q_seg.shape[0]} have no keys (empty kv segment)")
-        outs.append(_sdpa_bsnd(q_seg[None], k_seg[None], v_seg[None], causal, None, scale)[0])
+        if not k_seg.shape[1]:
+            raise ValueError(f"attention: query tokens {qs}:{qs + q_seg.shape[1]} have no keys (empty kv segment)")
+        out = _sdpa_bhsd(q_seg.unsqueeze(0), k_seg.unsqueeze(0), v_seg.unsqueeze(0), causal, None, scale)
+        outs.append(out.squeeze(0).transpose(0, 1))  # (S, Nq, D); squeeze, not [0]: its backward is a view
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from grpo_npu.ops import attention as op
 
@@ -90,7 +91,8 @@ SHARED_PREFIX = [(9, 9), (3, 12), (5, 14), (1, 10), (7, 7), (0, 4), (2, 9), (6, 
 @pytest.mark.parametrize("causal", [True, False])
 def test_reference_varlen_separate_key_segments_fwd_bwd(causal, reference_backend):
     """cu_seqlens_k apart from cu_seqlens: outputs and gradients of a naive softmax per segment, and bit for bit
-    those of the op's SDPA call per segment on slices of the inputs (what it computed before it split them)."""
+    those of one SDPA call per segment on slices of the inputs with a bool causal mask (what the op computed before
+    it split the inputs, went heads-first once and cached its masks as additive ones)."""
     tq, tk = sum(a for a, _ in SHARED_PREFIX), sum(b for _, b in SHARED_PREFIX)
     q = torch.randn(tq, 4, 16, requires_grad=True)
     k, v = (torch.randn(tk, 2, 16, requires_grad=True) for _ in range(2))
@@ -103,8 +105,7 @@ def test_reference_varlen_separate_key_segments_fwd_bwd(causal, reference_backen
         keep = _causal_keep(a, b) if causal else torch.ones(a, b, dtype=torch.bool)
         wants.append(_naive(q[None, qs:qs + a], k[None, ks:ks + b], v[None, ks:ks + b], keep, 0.25)[0])
         if a:
-            sliced.append(op._sdpa_bsnd(q[None, qs:qs + a], k[None, ks:ks + b], v[None, ks:ks + b], causal, None,
-                                        0.25)[0])
+            sliced.append(_sdpa_per_slice(q[None, qs:qs + a], k[None, ks:ks + b], v[None, ks:ks + b], causal, 0.25)[0])
         qs, ks = qs + a, ks + b
     want = torch.cat(wants)
     torch.testing.assert_close(out, want.float())
@@ -113,6 +114,22 @@ def test_reference_varlen_separate_key_segments_fwd_bwd(causal, reference_backen
     per_slice = torch.cat(sliced)
     assert torch.equal(out, per_slice)
     assert all(torch.equal(a, b) for a, b in zip(grads, _grads(per_slice, (q, k, v), g)))
+
+
+def _sdpa_per_slice(q, k, v, causal, scale):
+    """(1, S, N, D) slices -> one torch SDPA call, a bool bottom-right mask where Sq != Skv."""
+    sq, skv = q.shape[1], k.shape[1]
+    mask = _causal_keep(sq, skv) if causal and sq != skv else None
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         is_causal=causal and mask is None, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def test_causal_bias_is_sdpas_own_conversion_of_the_bool_mask():
+    keep = _causal_keep(3, 5)
+    bias = op._causal_bias(3, 5, torch.float32, torch.device("cpu"))
+    assert bias is op._causal_bias(3, 5, torch.float32, torch.device("cpu"))
+    assert torch.equal(bias, torch.where(keep, 0.0, float("-inf")))
 
 
 def test_bottom_right_causal_masks_cached_only_when_small():
