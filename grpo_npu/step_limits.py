@@ -82,6 +82,18 @@ class StepLimits:
         return verdict(self.reports) if self.enabled else "perf: no phase limits for this model"
 
 
+def log_prob_rows(d, length: int) -> int:
+    """Rows in one micro-batch of the larger log-prob pass (old policy or reference): its fixed size, or, packed to a
+    token budget, the rows of ``length`` tokens a full budget holds, at most a rank's batch."""
+    rows = d.train_batch_responses // d.world_size
+
+    def one(dynamic: bool, budget: int, fixed: int | None) -> int:
+        return min(rows, max(1, budget // length)) if dynamic or fixed is None else fixed
+
+    return max(one(d.log_prob_use_dynamic_bsz, d.log_prob_max_token_len, d.log_prob_micro_batch_per_rank),
+               one(d.ref_log_prob_use_dynamic_bsz, d.ref_log_prob_max_token_len, d.ref_log_prob_micro_batch_per_rank))
+
+
 def memory_plan_metrics(cfg, dev: Device, shape: ModelShape, world_size: int, dtype, rollout_dtype) -> dict[str, float]:
     """Log the memory plan of this run as one table, warn for each phase that will not fit the device, and
     return its ``perf/mem_estimate_gb/*`` metrics (logged every step beside the measured peaks)."""
@@ -96,7 +108,7 @@ def memory_plan_metrics(cfg, dev: Device, shape: ModelShape, world_size: int, dt
     plan = plan_memory(MemoryInputs(
         shape=shape, world_size=world_size, master_dtype="fp32", compute_dtype=dtype_name(dtype),
         rollout_dtype=dtype_name(rollout_dtype), micro_batch=d.micro_batch_per_rank or tokens_micro,
-        log_prob_micro_batch=d.log_prob_micro_batch_per_rank or tokens_micro, prompt_length=d.prompt_length,
+        log_prob_micro_batch=log_prob_rows(d, length), prompt_length=d.prompt_length,
         response_length=d.response_length, rollout_rows=d.train_batch_responses // world_size,
         gradient_checkpointing=arr.model.enable_gradient_checkpointing, rollout=rollout.name,
         gpu_memory_utilization=rollout.gpu_memory_utilization, capacity=capacity,

@@ -200,6 +200,29 @@ def test_every_key_documented_once():
         assert key in keys, key
 
 
+@pytest.mark.parametrize("keys, old_pass, ref_pass", [
+    ((), "budget", "budget"),  # no log-prob micro-batch size anywhere: both no-grad passes pack to their token budget
+    (("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",), 4, 4),  # the reference follows the rollout's
+    (("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",), "budget", 8),
+    (("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=False", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false"),
+     2, 2),  # explicitly fixed: the training micro-batch, as before
+    (("actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"),
+     "budget", "budget"),  # verl's rule: the actor's dynamic batch size carries over
+])
+def test_log_prob_passes_without_a_micro_batch_size_pack_to_their_token_budget(keys, old_pass, ref_pass):
+    from grpo_npu.step_limits import log_prob_rows
+
+    d = derive(load_config(BASE + ["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=300",
+                                   "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=200", *keys]))
+    got = [("budget" if d.log_prob_use_dynamic_bsz else d.log_prob_micro_batch_per_rank),
+           ("budget" if d.ref_log_prob_use_dynamic_bsz else d.ref_log_prob_micro_batch_per_rank)]
+    assert got == [old_pass, ref_pass]
+    assert (d.log_prob_max_token_len, d.ref_log_prob_max_token_len) == (300, 200)
+    # the memory plan's rows per log-prob micro-batch: the larger pass, a full budget of 100-token rows at most
+    want = max(300 // 100 if old_pass == "budget" else old_pass, 200 // 100 if ref_pass == "budget" else ref_pass)
+    assert log_prob_rows(d, 100) == want
+
+
 def test_derived_values_are_not_written_back():
     cfg = load_config(BASE[:1] + BASE[2:] + ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.clip_ratio_high=0.28"])
     d = derive(cfg)

@@ -197,7 +197,7 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     """Responses per reference log-prob forward on one device."""
     log_prob_use_dynamic_bsz: Optional[bool] = None
-    """Pack by tokens for reference log-probs (None: actor.use_dynamic_bsz)."""
+    """Pack by tokens for reference log-probs (None: actor.use_dynamic_bsz, or on when neither this pass nor the rollout's sets a log-prob micro-batch size)."""
     log_prob_max_token_len_per_gpu: Optional[int] = None
     """Token budget per packed micro-batch (None: actor.ppo_max_token_len_per_gpu)."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
@@ -293,7 +293,7 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     """Responses per old-log-prob forward on one device."""
     log_prob_use_dynamic_bsz: Optional[bool] = None
-    """Pack by tokens for old log-probs (None: actor.use_dynamic_bsz)."""
+    """Pack by tokens for old log-probs (None: actor.use_dynamic_bsz, or on when no log-prob micro-batch size is set)."""
     log_prob_max_token_len_per_gpu: Optional[int] = None
     """Token budget per packed micro-batch (None: actor.ppo_max_token_len_per_gpu)."""
     seed: int = 0

@@ -112,8 +112,13 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
         require(gen * n % ws == 0, f"data.gen_batch_size x rollout.n = {gen} x {n} cannot be split over {ws} ranks")
     clip_low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
     clip_high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
-    lp_dyn = rollout.log_prob_use_dynamic_bsz if rollout.log_prob_use_dynamic_bsz is not None else actor.use_dynamic_bsz
-    ref_dyn = arr.ref.log_prob_use_dynamic_bsz if arr.ref.log_prob_use_dynamic_bsz is not None else actor.use_dynamic_bsz
+    # A log-prob pass without a micro-batch size of its own packs rows to its token budget: it keeps no activations for
+    # a backward, so the training micro-batch it used to borrow only multiplied the passes (and on an accelerator each
+    # pass is host-bound: docs/performance.md). verl itself requires one of the two settings.
+    lp_dyn = (rollout.log_prob_use_dynamic_bsz if rollout.log_prob_use_dynamic_bsz is not None
+              else actor.use_dynamic_bsz or lp_micro is None)
+    ref_dyn = (arr.ref.log_prob_use_dynamic_bsz if arr.ref.log_prob_use_dynamic_bsz is not None
+               else actor.use_dynamic_bsz or (ref_micro is None and lp_micro is None))
     return Derived(
         world_size=ws, n=n,
         train_batch_responses=train_responses,
