@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 
 from transformers import AutoConfig
 
-from grpo_npu.config import derive
+from grpo_npu.config import Derived, derive
 from grpo_npu.device import Device
 from grpo_npu.perf.flops import ModelShape, dtype_name
 from grpo_npu.perf.hardware import device_spec
@@ -82,7 +82,7 @@ class StepLimits:
         return verdict(self.reports) if self.enabled else "perf: no phase limits for this model"
 
 
-def log_prob_rows(d, length: int) -> int:
+def log_prob_rows(d: Derived, length: int) -> int:
     """Rows in one micro-batch of the larger log-prob pass (old policy or reference): its fixed size, or, packed to a
     token budget, the rows of ``length`` tokens a full budget holds, at most a rank's batch."""
     rows = d.train_batch_responses // d.world_size

@@ -89,7 +89,7 @@ class HybridWorker:
         fused = fused_kernels_on(model, dev)
         onednn = onednn_linear_on(model, dev)  # the critic shares it: one switch for the CPU matmul path
         share = share_prompt_prefix_on(model, dev)
-        compiled = compile_layers_on(model, dev, onednn_linear=onednn)  # one switch for the actor, reference and critic, as onednn
+        compiled = compile_layers_on(model, dev, onednn_linear=onednn)  # actor, reference and critic alike
         if self.rank == 0:  # the auto (None) values resolved for this device: what the run actually does
             log.info("model: use_fused_kernels=%s share_prompt_prefix=%s use_onednn_linear=%s compile_layers=%s on %s",
                      fused, share, onednn, compiled, dev.kind)
