@@ -16,9 +16,11 @@ and a checkpointed layer must recompute through the same function its forward ra
 
 All layers share one compiled function per code object (dynamo caches per code object and guards on
 module attributes, not identity), with dynamic shapes from the first call: micro-batches of every length
-reuse it. Training, no-grad and frozen-weight passes each compile once (4 compilations in all, none per length, on
-CPU). Measured: 35 s + 11 s of compilation on the tiny model here; on an H100 the CLI benchmark's short runs did
-not finish inside their time limits with it on, hence off by default (docs/performance.md).
+reuse it. Training, no-grad and frozen-weight passes each compile once: 4 compilations in all, none per length, in
+one process on CPU (35 s + 11 s on the tiny model). With the grpo_npu attention op patched in (prompt sharing), its
+graph breaks add more: 34 in the CLI's first two steps on CPU, which then ran slower than eager. On an H100 the CLI
+benchmark's short runs did not finish inside their time limits with it on; hence off by default
+(docs/performance.md).
 """
 
 from __future__ import annotations
