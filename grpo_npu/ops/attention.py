@@ -59,33 +59,30 @@ def _offsets(cu_seqlens: Sequence[int] | torch.Tensor, total: int, name: str) ->
     return offsets
 
 
+def _cached_when_small(build):
+    """``build(sq, skv, ...)`` with results of at most CACHED_MASK_ELEMENTS elements cached (at most 1024 of them):
+    varlen attention asks for one mask per segment, in every layer. Never modify a result."""
+    cached = functools.lru_cache(maxsize=1024)(build)
+
+    @functools.wraps(build)
+    def get(sq: int, skv: int, *args):
+        return (cached if sq * skv <= CACHED_MASK_ELEMENTS else build)(sq, skv, *args)
+
+    return get
+
+
+@_cached_when_small
 def _bottom_right_causal(sq: int, skv: int, device: torch.device) -> torch.Tensor:
-    """(Sq, Skv) bool, True where query i may see key j (j <= i + Skv - Sq). Small ones are cached (varlen
-    attention asks for one per segment, in every layer): never modify the result."""
-    build = _cached_bottom_right_causal if sq * skv <= CACHED_MASK_ELEMENTS else _new_bottom_right_causal
-    return build(sq, skv, device)
-
-
-def _new_bottom_right_causal(sq: int, skv: int, device: torch.device) -> torch.Tensor:
+    """(Sq, Skv) bool, True where query i may see key j (j <= i + Skv - Sq)."""
     return torch.ones(sq, skv, dtype=torch.bool, device=device).tril(diagonal=skv - sq)
 
 
-_cached_bottom_right_causal = functools.lru_cache(maxsize=1024)(_new_bottom_right_causal)
-
-
+@_cached_when_small
 def _causal_bias(sq: int, skv: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """(Sq, Skv) additive mask of :func:`_bottom_right_causal`: 0 where seen, -inf elsewhere, the tensor torch SDPA
-    makes of a bool mask on every call (same values, so the same results); small ones are cached likewise."""
-    build = _cached_causal_bias if sq * skv <= CACHED_MASK_ELEMENTS else _new_causal_bias
-    return build(sq, skv, dtype, device)
-
-
-def _new_causal_bias(sq: int, skv: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    makes of a bool mask on every call (same values, so the same results)."""
     keep = _bottom_right_causal(sq, skv, device)
     return torch.zeros(sq, skv, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
-
-
-_cached_causal_bias = functools.lru_cache(maxsize=1024)(_new_causal_bias)
 
 
 def _sdpa_bhsd(q, k, v, causal: bool, attn_mask: torch.Tensor | None, scale: float) -> torch.Tensor:

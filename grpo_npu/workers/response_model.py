@@ -221,9 +221,9 @@ def share_prompt_prefix_on(model_cfg: ModelConfig, dev: Device) -> bool:
 
 
 def compile_layers_on(model_cfg: ModelConfig, dev: Device, *, onednn_linear: bool) -> bool:
-    """model.compile_layers (off by default: on an H100 the CLI's first steps spent minutes compiling, docs/performance.md),
-    refused in one line where inductor cannot build kernels for the device, or beside the oneDNN linear
-    (``onednn_linear``, resolved: inductor cannot lower its op)."""
+    """model.compile_layers (off by default: on an H100 the CLI benchmark's short runs did not finish inside their
+    time limits with it on, docs/performance.md), refused in one line where inductor cannot build kernels for the
+    device, or beside the oneDNN linear (``onednn_linear``, resolved: inductor cannot lower its op)."""
     if not model_cfg.compile_layers:
         return False
     reason = compiled_layers.missing_compiler(dev.kind)
