@@ -21,7 +21,7 @@ from grpo_npu.perf.hardware import device_spec
 from grpo_npu.perf.memory import MemoryInputs, memory_table, over_capacity, plan_memory, plan_metrics
 from grpo_npu.perf.report import StepReport, StepWorkload, step_report, verdict
 from grpo_npu.rollout.vllm_settings import CPU_KV_CACHE_BYTES
-from grpo_npu.workers.response_model import actor_reshard_after_forward, compute_dtype_of
+from grpo_npu.workers.response_model import actor_fsdp_wrap_on, actor_reshard_after_forward, compute_dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ def memory_plan_metrics(cfg, dev: Device, shape: ModelShape, world_size: int, dt
         gradient_checkpointing=arr.model.enable_gradient_checkpointing, rollout=rollout.name,
         gpu_memory_utilization=rollout.gpu_memory_utilization, capacity=capacity,
         reshard_after_forward=actor_reshard_after_forward(arr, dev, world_size),
+        fsdp_wrapped=actor_fsdp_wrap_on(arr, dev, world_size),
         optimizer_offload=actor.fsdp_config.optimizer_offload, param_offload=actor.fsdp_config.param_offload,
         kv_cache_bytes=kv))
     log.info("%s", memory_table(plan, capacity))

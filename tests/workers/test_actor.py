@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from grpo_npu.workers import fsdp, fsdp_gather
@@ -78,7 +79,8 @@ def _ppo_batch(model_path, seed=0):
 def _actor_grads(worker, batch) -> dict[str, torch.Tensor]:
     worker.actor.module.train()
     worker.actor.loop.backward_mini_batch(batch, worker.actor.micro_loss)
-    grads = {n: p.grad.full_tensor().clone() for n, p in worker.actor.module.hf.named_parameters()}
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+             for n, p in worker.actor.module.hf.named_parameters()}
     worker.actor.loop.optimizer.zero_grad(set_to_none=True)
     return grads
 
@@ -326,7 +328,9 @@ def test_hf_generate_gathers_each_layer_once_and_reshards(tiny_model_path, monke
         return real_pre_forward(group, *args, **kwargs)
 
     worker = make_worker(make_cfg(tiny_model_path, f"actor_rollout_ref.model.share_prompt_prefix={share_prefix}",
-                                  "actor_rollout_ref.rollout.sync_check.enable=False"),  # the canary's probe gathers too
+                                  "actor_rollout_ref.rollout.sync_check.enable=False",  # the canary's probe gathers too
+                                  # set, so that one CPU rank wraps the actor in FSDP2 (auto does not: fsdp_wrap_on)
+                                  "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"),
                          with_rollout=True)
     units = fsdp.fsdp_units(worker.actor.module)
     settings = [fsdp_gather._reshard_setting(m) for m in units]

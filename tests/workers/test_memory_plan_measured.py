@@ -16,7 +16,8 @@ from grpo_npu.device import get_device
 from grpo_npu.models.tiny import TinySpec, build_tiny_model
 from grpo_npu.perf.flops import ModelShape
 from grpo_npu.perf.memory import MemoryInputs, plan_memory
-from grpo_npu.workers.response_model import actor_reshard_after_forward
+from grpo_npu.workers.fsdp import FSDPModule
+from grpo_npu.workers.response_model import actor_fsdp_wrap_on, actor_reshard_after_forward
 
 from .helpers import PROMPT_LEN, make_batch, make_cfg, make_worker
 
@@ -52,14 +53,15 @@ def measured_update_peak(worker, batch) -> int:
     return resident_bytes(worker) + profiled_peak(lambda: worker.update_actor(batch))
 
 
-def tiny_inputs(path: str, rows: int, response_len: int, checkpointing: bool, *, reshard_after_forward: bool) -> MemoryInputs:
+def tiny_inputs(path: str, rows: int, response_len: int, checkpointing: bool, *, reshard_after_forward: bool,
+                fsdp_wrapped: bool = True) -> MemoryInputs:
     """The plan's inputs for these tests' shapes: one rank, fp32, ``rows`` per micro-batch."""
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(path))
     return MemoryInputs(
         shape=shape, world_size=1, master_dtype="fp32", compute_dtype="fp32", rollout_dtype="fp32", micro_batch=rows,
         log_prob_micro_batch=rows, prompt_length=PROMPT_LEN, response_length=response_len, rollout_rows=32,
         gradient_checkpointing=checkpointing, rollout="hf", gpu_memory_utilization=0.5, capacity=64 * 1024**3,
-        reshard_after_forward=reshard_after_forward)
+        reshard_after_forward=reshard_after_forward, fsdp_wrapped=fsdp_wrapped)
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
@@ -73,7 +75,10 @@ def test_update_estimate_within_30_percent_of_the_profiler_peak(tiny_model_path,
     batch = batch.replace(old_logp=torch.zeros(batch.response_ids.shape))
     measured = measured_update_peak(make_worker(cfg), batch)
     resharding = actor_reshard_after_forward(cfg.actor_rollout_ref, get_device("cpu"), world_size=1)  # auto: off
-    plan = plan_memory(tiny_inputs(tiny_model_path, rows, response_len, checkpointing, reshard_after_forward=resharding))
+    wrapped = actor_fsdp_wrap_on(cfg.actor_rollout_ref, get_device("cpu"), world_size=1)  # auto on one CPU rank: no
+    assert not wrapped and not any(isinstance(m, FSDPModule) for m in make_worker(cfg).actor.module.modules())
+    plan = plan_memory(tiny_inputs(tiny_model_path, rows, response_len, checkpointing, reshard_after_forward=resharding,
+                                   fsdp_wrapped=wrapped))
     estimate = sum(plan["update_actor"].values())
     assert abs(estimate - measured) <= 0.3 * measured, (estimate, measured, plan["update_actor"])
 

@@ -97,17 +97,40 @@ def test_shard_group_size_follows_fsdp_size():
 
 
 @pytest.mark.usefixtures("process_group")
-def test_one_rank_worker_keeps_the_actors_gathered_layers_and_reshards_the_reference(tiny_model_path):
-    """What FSDP2 was told, read back from the built modules: the actor's decoder layers keep their gathered
-    parameters from forward to backward on one rank, the reference's are freed after forward."""
+def test_one_cpu_rank_wraps_nothing_by_default_and_wrapped_keeps_the_actors_gathered_layers(tiny_model_path):
+    """Read back from the built modules: with the defaults one CPU rank builds the actor and the reference without
+    FSDP2; wrapped (forward_prefetch asks for FSDP2), the actor's decoder layers keep their gathered parameters from
+    forward to backward on one rank and the reference's are freed after forward."""
     from grpo_npu.workers import fsdp, fsdp_gather
 
-    from grpo_npu.workers.response_model import actor_reshard_after_forward
+    from grpo_npu.workers.response_model import actor_fsdp_wrap_on, actor_reshard_after_forward
 
     cfg = make_cfg(tiny_model_path, "actor_rollout_ref.actor.use_kl_loss=True")
+    worker = make_worker(cfg)
+    assert fsdp.fsdp_units(worker.actor.module) == fsdp.fsdp_units(worker.ref.module) == []
+    assert actor_fsdp_wrap_on(cfg.actor_rollout_ref, worker.dev, world_size=1) is False  # the memory plan's
+
+    cfg = make_cfg(tiny_model_path, "actor_rollout_ref.actor.use_kl_loss=True",
+                   *(f"actor_rollout_ref.{role}.fsdp_config.forward_prefetch=True" for role in ("actor", "ref")))
     worker = make_worker(cfg)
     for policy, reshards in ((worker.actor, False), (worker.ref, True)):
         layers = fsdp.decoder_layers(policy.module.hf)
         groups = [g for layer in layers for g in fsdp_gather._param_groups(layer._get_fsdp_state())]
         assert groups and all(g._reshard_after_forward is reshards for g in groups)
+    assert actor_fsdp_wrap_on(cfg.actor_rollout_ref, worker.dev, world_size=1) is True
     assert actor_reshard_after_forward(cfg.actor_rollout_ref, worker.dev, world_size=1) is False  # the memory plan's
+
+
+@pytest.mark.parametrize("change, wrapped", [
+    ({}, False), ({"world_size": 2}, True), ({"kind": "cuda"}, True), ({"compute": torch.bfloat16}, True),
+    ({"reshard_after_forward": False}, True), ({"reshard_after_forward": True}, True),
+    ({"forward_prefetch": True}, True)])
+def test_fsdp_wraps_unless_one_cpu_rank_without_mixed_precision_or_fsdp_keys(change, wrapped):
+    from grpo_npu.config import FSDPConfig
+    from grpo_npu.workers.response_model import fsdp_wrap_on
+
+    fsdp_cfg = FSDPConfig(reshard_after_forward=change.get("reshard_after_forward"),
+                          forward_prefetch=change.get("forward_prefetch", False))
+    got = fsdp_wrap_on(fsdp_cfg, Device(change.get("kind", "cpu")), world_size=change.get("world_size", 1),
+                       compute_dtype=change.get("compute", torch.float32), master_dtype=torch.float32)
+    assert got is wrapped
