@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from bench import phase_limits as pl
@@ -85,3 +87,17 @@ def test_a_phase_faster_than_its_floor_is_flagged():
     loaded = [_step(10.0, 0.3, 1.2, 1.0, 1.4)]  # floors measured under load: gen "beats" its floor
     (warning,) = pl.floor_warnings(pl.phase_rows(loaded), loaded)
     assert warning.startswith("FLOORS DISTURBED") and "gen 1.20" in warning and "gen_bandwidth 1.40" in warning
+
+
+def test_an_update_under_its_floor_by_no_more_than_packing_saves_is_not_flagged():
+    # 2 prompts of 50 tokens x n=2, 32 tokens each: the floor counts 2 x 100 + 128 tokens, packing computes 100 + 128
+    work = replace(pl.WORK, prompts=2, n=2, response_len=32)
+    packing = pl.model_over_computed(work, prompt_tokens=100)
+    assert packing == pytest.approx(328 / 228)
+    fast = [_step(10.0, 0.3, 0.9, 1.0, 0.8, update_frac=1.2)]
+    assert pl.floor_warnings(pl.phase_rows(fast), fast, packing) == []
+    (warning,) = pl.floor_warnings(pl.phase_rows(fast), fast)  # without packing: flagged
+    assert "update_actor 1.20" in warning
+    faster = [_step(10.0, 0.3, 0.9, 1.0, 0.8, update_frac=1.5)]  # beyond what packing saves: flagged
+    (warning,) = pl.floor_warnings(pl.phase_rows(faster), faster, packing)
+    assert "update_actor 1.50" in warning
