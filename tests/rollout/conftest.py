@@ -105,8 +105,18 @@ def perturbed_weights(model, scale: float, seed: int) -> dict[str, torch.Tensor]
     return state
 
 
+def multinomial_as_the_static_loop(probs, num_samples, *args, **kwargs):
+    """``torch.multinomial`` for transformers' ``generate``: one sample per row, drawn as the static decode loop
+    draws it (``static_decode.sample_tokens``), so a seeded ``generate`` and the loop can be compared token for token."""
+    from grpo_npu.rollout.static_decode import sample_tokens
+
+    assert num_samples == 1 and not args and not kwargs, "generate asked multinomial for something else"
+    return sample_tokens(probs)[:, None]
+
+
 @pytest.fixture(scope="session")
 def ref():
     """The reference helpers above, as a namespace."""
     return SimpleNamespace(logp=reference_logp, check_stop_contract=check_stop_contract,
-                           eos_heavy_weights=eos_heavy_weights, perturbed_weights=perturbed_weights)
+                           eos_heavy_weights=eos_heavy_weights, perturbed_weights=perturbed_weights,
+                           multinomial=multinomial_as_the_static_loop)

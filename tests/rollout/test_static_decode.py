@@ -1,8 +1,10 @@
 """The static-cache decode loop against transformers ``generate`` on the same model, prompts and seed.
 
-``generate`` is the reference: the loop must draw the same tokens (same processors, same RNG draws), give
-the same processed log-probs, stop the same rows at eos, and leave the choice to ``generate`` for what it
-does not cover. The CUDA test checks the captured graph replays the eager step token for token.
+``generate`` is the reference: the loop must draw the same tokens (same processors, same RNG draws, with
+``generate``'s ``torch.multinomial`` swapped for the loop's :func:`sample_tokens`), give the same processed
+log-probs, stop the same rows at eos, and leave the choice to ``generate`` for what it does not cover.
+:func:`sample_tokens` itself is checked against the probabilities it samples from. The CUDA test checks the
+captured graph replays the eager step token for token.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from grpo_npu.rollout import SamplingConfig, hf_rollout
 from grpo_npu.rollout.hf_rollout import HFRollout
-from grpo_npu.rollout.static_decode import StaticKV, process_logits, unsupported
+from grpo_npu.rollout.static_decode import StaticKV, process_logits, sample_tokens, unsupported
+
+from tests.rollout.conftest import multinomial_as_the_static_loop
 
 SAMPLINGS = {
     "greedy": SamplingConfig(n=2, do_sample=False, max_new_tokens=12, return_logprobs=True),
@@ -27,7 +31,8 @@ SAMPLINGS = {
 
 
 def both_paths(model, tokenizer, ids, mask, sampling, monkeypatch):
-    """(static loop output, generate output) of one HFRollout on ``model``; asserts which path each took."""
+    """(static loop output, generate output) of one HFRollout on ``model``; asserts which path each took.
+    ``generate`` samples with the loop's sampler (torch.multinomial swapped), so seeded draws must agree."""
     rollout = HFRollout(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id])
     calls = []
     real = hf_rollout.static_generate
@@ -36,6 +41,7 @@ def both_paths(model, tokenizer, ids, mask, sampling, monkeypatch):
     assert calls == [1]
     with monkeypatch.context() as m:
         m.setattr(hf_rollout, "unsupported", lambda model: "forced for the test")
+        m.setattr(torch, "multinomial", multinomial_as_the_static_loop)
         reference = rollout.generate(ids, mask, sampling)
     assert calls == [1]
     return static, reference
@@ -105,6 +111,23 @@ def test_what_the_loop_does_not_cover_goes_to_generate(tiny_model_path, tiny_hf,
         out = rollout.generate(ids, mask, SamplingConfig(do_sample=False, max_new_tokens=4))
         assert out.response_ids.shape == (ids.shape[0], 4)
     assert calls == []
+
+
+def test_sample_tokens_draws_each_token_with_its_probability():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]])  # (2, 5)
+    draws = 40_000
+    torch.manual_seed(0)
+    tokens = torch.stack([sample_tokens(probs) for _ in range(draws)])  # (draws, 2)
+    assert tokens.dtype == torch.long
+    freq = torch.bincount(tokens[:, 0], minlength=5).double() / draws
+    sigma = (probs[0].double() * (1 - probs[0].double()) / draws).sqrt()
+    assert ((freq - probs[0].double()).abs() <= 5 * sigma + 1e-12).all(), freq  # 5 sigma: a wrong rule fails
+    assert freq[4] == 0  # a zero-probability token is never drawn
+    assert (tokens[:, 1] == 4).all()
+    torch.manual_seed(1)
+    again = sample_tokens(probs[:1].expand(64, 5))
+    torch.manual_seed(1)
+    assert torch.equal(again, sample_tokens(probs[:1].expand(64, 5)))  # the global generator decides
 
 
 def test_static_kv_writes_at_the_given_slots():
