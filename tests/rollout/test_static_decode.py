@@ -124,6 +124,9 @@ def test_sample_tokens_draws_each_token_with_its_probability():
     assert ((freq - probs[0].double()).abs() <= 5 * sigma + 1e-12).all(), freq  # 5 sigma: a wrong rule fails
     assert freq[4] == 0  # a zero-probability token is never drawn
     assert (tokens[:, 1] == 4).all()
+    with pytest.MonkeyPatch.context() as m:  # U = 0, the edge of torch.rand: the certain token still wins
+        m.setattr(torch, "rand_like", torch.zeros_like)
+        assert sample_tokens(probs).tolist()[1] == 4
     torch.manual_seed(1)
     again = sample_tokens(probs[:1].expand(64, 5))
     torch.manual_seed(1)
