@@ -91,6 +91,12 @@ def _watch(proc: subprocess.Popen, metrics: Path, timeout_s: float, every_s: flo
 LIMIT_PREFIXES = ("perf/mfu/", "perf/limit_frac/")
 
 
+def least_cpu_s(cpu_s: list) -> float:
+    """The least CPU seconds of the timed steps; nan when none has a figure (a step shorter than the CPU
+    sampler's period gets None from :func:`run_cli`)."""
+    return min((c for c in cpu_s if c is not None), default=float("nan"))
+
+
 def measured_steps(run: dict, samples: int) -> dict:
     """Per timed step (the first, warm-up, step dropped): seconds, sections, tokens, memory."""
     steps = run["rows"][1:]

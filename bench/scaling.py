@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.cli_run import measured_steps, run_cli
+from bench.cli_run import least_cpu_s, measured_steps, run_cli
 from bench.common import RESULTS_DIR, BenchResult, bench_main, results_dir
 
 N = 4  # samples per prompt: a point of S sequences is S / N prompts
@@ -170,8 +170,7 @@ def measure_point(keys: list[str], root: Path, sweep: str, x_name: str, length: 
     measured = measured_steps(run_cli(keys, root / tag, threads, TIMEOUT_S, f"scaling-{tag}"), seqs)
     return {"sweep": sweep, "x_name": x_name, "x": length if sweep != "batch" else seqs,
             "response_len": length, "sequences": seqs, "step_s": min(measured["step_s"]),
-            # a step shorter than the CPU sampler's period has no CPU figure: nan, as bench.step_vs_trl
-            "cpu_s": min((c for c in measured["cpu_s"] if c is not None), default=float("nan")),
+            "cpu_s": least_cpu_s(measured["cpu_s"]),
             "update_s": min(s["update"] for s in measured["sections"]),
             "gen_s": min(s["gen"] for s in measured["sections"]),
             "peak_memory_gb": measured["peak_memory_gb"]}

@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from bench.cli_run import REPO_ROOT, child_env, measured_steps, run_cli
+from bench.cli_run import REPO_ROOT, child_env, least_cpu_s, measured_steps, run_cli
 from bench.common import BenchResult, bench_main
 
 SIDES = ("grpo_npu_hf", "trl", "grpo_npu_vllm")
@@ -211,7 +211,7 @@ def summarise(work: Workload, side: str, measured: dict) -> dict:
         "tokens_per_step": tokens, "response_tokens_per_step": response, "prompt_tokens_per_step": tokens - response,
         "gen_s": sections["gen"], "score_s": sections["score"], "update_s": sections["update"],
         "other_s": sections["other"], "step_s_all": "/".join(f"{s:.3g}" for s in measured["step_s"]),
-        "cpu_s": min((c for c in measured["cpu_s"] if c is not None), default=float("nan")),
+        "cpu_s": least_cpu_s(measured["cpu_s"]),
         "threads": measured["threads"], "process_s": measured["process_s"],
     }
     if "peak_memory_gb" in measured:
