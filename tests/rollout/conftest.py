@@ -118,5 +118,4 @@ def multinomial_as_the_static_loop(probs, num_samples, *args, **kwargs):
 def ref():
     """The reference helpers above, as a namespace."""
     return SimpleNamespace(logp=reference_logp, check_stop_contract=check_stop_contract,
-                           eos_heavy_weights=eos_heavy_weights, perturbed_weights=perturbed_weights,
-                           multinomial=multinomial_as_the_static_loop)
+                           eos_heavy_weights=eos_heavy_weights, perturbed_weights=perturbed_weights)

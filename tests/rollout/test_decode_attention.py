@@ -12,6 +12,8 @@ from grpo_npu.rollout import SamplingConfig
 from grpo_npu.rollout.decode_attention import ATTN_IMPLEMENTATION, decode_attention, decode_attention_forward
 from grpo_npu.rollout.hf_rollout import HFRollout
 
+from tests.rollout.conftest import multinomial_as_the_static_loop
+
 
 class _Layer(torch.nn.Module):
     def __init__(self, groups: int):
@@ -92,16 +94,16 @@ def test_ops_attention_switched_on_its_reference_path_only(tiny_hf, monkeypatch)
 
 @pytest.mark.parametrize("sampling", [dict(do_sample=False), dict(temperature=1.0, seed=7), dict(temperature=0.7, seed=3, top_p=0.9)],
                          ids=["greedy", "seeded", "seeded_top_p"])
-def test_generate_same_tokens_and_logprobs_as_sdpa(tiny_hf, tiny_tokenizer, prompt_batch, ref, monkeypatch, sampling):
+def test_generate_same_tokens_and_logprobs_as_sdpa(tiny_hf, tiny_tokenizer, prompt_batch, monkeypatch, sampling):
     """The tiny model is GQA (4 heads, 2 KV heads); prompts are left-padded to different lengths. Without the
-    decode attention the rollout calls ``generate``, here sampling as the static loop does (ref.multinomial)."""
+    decode attention the rollout calls ``generate``, here sampling as the static loop does."""
     assert tiny_hf.config.num_key_value_heads < tiny_hf.config.num_attention_heads
     ids, mask = prompt_batch
     rollout = HFRollout(tiny_hf, pad_token_id=tiny_tokenizer.pad_token_id, eos_token_ids=[tiny_tokenizer.eos_token_id])
     config = SamplingConfig(n=3, max_new_tokens=24, return_logprobs=True, **sampling)
     fast = rollout.generate(ids, mask, config)
     monkeypatch.setattr(hf_rollout, "decode_attention", lambda model: contextlib.nullcontext(False))
-    monkeypatch.setattr(torch, "multinomial", ref.multinomial)
+    monkeypatch.setattr(torch, "multinomial", multinomial_as_the_static_loop)
     plain = rollout.generate(ids, mask, config)
     assert torch.equal(fast.response_ids, plain.response_ids)
     assert torch.equal(fast.response_mask, plain.response_mask)
