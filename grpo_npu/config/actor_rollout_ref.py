@@ -69,7 +69,7 @@ class ModelConfig:
     use_remove_padding: bool = False
     """Pack sequences without padding for log-prob and update passes (varlen attention, no (N, N) mask)."""
     use_fused_kernels: Optional[bool] = None
-    """Patch the model with grpo_npu.ops fused kernels (None: on for NPU, off elsewhere)."""
+    """Patch the model with grpo_npu.ops fused kernels: every op on NPU, RMSNorm and rotary on CUDA (None: on for NPU and CUDA, off on CPU)."""
     share_prompt_prefix: Optional[bool] = None
     """Actor/reference passes run each distinct prompt of a micro-batch once for all its responses (packed; None: on for CPU, off elsewhere)."""
     use_onednn_linear: Optional[bool] = None

@@ -1,8 +1,8 @@
 """NPU-native kernels (and a oneDNN CPU linear) with plain-PyTorch references, each op choosing its backend once.
 
 Ops (module -> NPU kernel):
-    rms_norm.rms_norm            torch_npu.npu_rms_norm
-    rotary.apply_rotary          torch_npu.npu_rotary_mul
+    rms_norm.rms_norm            torch_npu.npu_rms_norm (torch's fused rms_norm on CUDA)
+    rotary.apply_rotary          torch_npu.npu_rotary_mul (a roll + addcmul form on CUDA: fewer launches)
     swiglu.swiglu / gated_mlp    torch_npu.npu_swiglu
     attention.attention          torch_npu.npu_fusion_attention
     logprob.logprobs_from_logits torch_npu.npu_cross_entropy_loss (chunked; flash-attn CE on CUDA)
@@ -20,6 +20,7 @@ from grpo_npu.ops.attention import cu_seqlens_from_lengths
 from grpo_npu.ops.dispatch import BACKENDS, backends, set_backend, use_backend
 from grpo_npu.ops.logprob import linear_logprobs, logprobs_from_logits
 from grpo_npu.ops.patch import (
+    FUSED_OPS,
     PATCHABLE_OPS,
     VARLEN_ATTN_IMPLEMENTATIONS,
     PatchReport,
@@ -33,6 +34,7 @@ from grpo_npu.ops.swiglu import gated_mlp
 
 __all__ = [
     "BACKENDS",
+    "FUSED_OPS",
     "PATCHABLE_OPS",
     "PatchReport",
     "PatchRow",

@@ -55,6 +55,10 @@ from grpo_npu.ops import swiglu as swiglu_op
 log = logging.getLogger(__name__)
 
 PATCHABLE_OPS = ("linear", "rms_norm", "rotary", "mlp", "attention")
+# What model.use_fused_kernels patches, per device kind: every op on Ascend (each has a torch_npu kernel) and on the
+# host (their references: how CPU tests run a patched model); on CUDA the ops whose CUDA branch takes fewer kernel
+# launches than transformers' own code, since the MLP and attention references would only add launches there.
+FUSED_OPS = {"npu": PATCHABLE_OPS, "cpu": PATCHABLE_OPS, "cuda": ("rms_norm", "rotary")}
 ATTN_IMPLEMENTATION = "grpo_npu"
 # transformers attention implementations that read the packing (cu_seq_lens_q/k, else position ids) themselves
 # and build no mask for a packed batch: flash-attn's varlen kernels. SDPA and eager attend through a dense

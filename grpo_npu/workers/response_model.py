@@ -23,7 +23,7 @@ from torch import nn
 from grpo_npu import compat
 from grpo_npu.config import ActorRolloutRefConfig, FSDPConfig, ModelConfig
 from grpo_npu.device import Device
-from grpo_npu.ops import PATCHABLE_OPS, VARLEN_ATTN_IMPLEMENTATIONS, linear_logprobs, patch_model
+from grpo_npu.ops import FUSED_OPS, PATCHABLE_OPS, VARLEN_ATTN_IMPLEMENTATIONS, linear_logprobs, patch_model
 from grpo_npu.workers import compiled_layers, fsdp, fsdp_gather, lora as lora_lib
 from grpo_npu.workers.model_inputs import ModelInputs, scatter_valid
 
@@ -126,7 +126,8 @@ def build_sharded(
     if lora is not None:  # before the ops patch: the fused MLP must see the wrapped projections and keep them
         lora_lib.apply_lora(hf_model, lora)
     patch_ops = ops_to_patch(fused_kernels=fused_kernels, onednn_linear=onednn_linear, shared_prefix=shared_prefix,
-                             remove_padding=remove_padding, attn_implementation=config._attn_implementation)
+                             remove_padding=remove_padding, attn_implementation=config._attn_implementation,
+                             device_kind=dev.kind)
     if patch_ops:
         log.info("patched ops: %s", patch_model(hf_model, ops=patch_ops))
     if gradient_checkpointing:
@@ -162,8 +163,9 @@ def build_sharded(
 
 
 def ops_to_patch(*, fused_kernels: bool, onednn_linear: bool, shared_prefix: bool, remove_padding: bool,
-                 attn_implementation: str) -> tuple[str, ...]:
-    """The grpo_npu ops :func:`build_sharded` patches into a model: all of them with fused kernels, else
+                 attn_implementation: str, device_kind: str) -> tuple[str, ...]:
+    """The grpo_npu ops :func:`build_sharded` patches into a model: with fused kernels, those of
+    :data:`FUSED_OPS` for the device kind; and in any case
 
     - ``linear`` for model.use_onednn_linear (the CPU matmul path alone);
     - ``attention`` for shared-prompt packing (it reads ``kv_index``) and for packed rows
@@ -172,11 +174,10 @@ def ops_to_patch(*, fused_kernels: bool, onednn_linear: bool, shared_prefix: boo
       micro-batch. An implementation that reads ``cu_seq_lens_q/k`` itself (flash-attn's varlen kernel,
       ``attn_implementation=flash_attention_2``) builds no mask either and is kept.
     """
-    if fused_kernels:
-        return PATCHABLE_OPS
     packed = remove_padding and attn_implementation not in VARLEN_ATTN_IMPLEMENTATIONS
     wanted = {"linear": onednn_linear, "attention": shared_prefix or packed}
-    return tuple(op for op in PATCHABLE_OPS if wanted.get(op))
+    fused = FUSED_OPS[device_kind] if fused_kernels else ()
+    return tuple(op for op in PATCHABLE_OPS if wanted.get(op) or op in fused)
 
 
 def fsdp_wrap_on(fsdp_cfg: FSDPConfig, dev: Device, *, world_size: int, compute_dtype: torch.dtype,
@@ -235,8 +236,9 @@ def compute_dtype_of(model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, dev: Device) 
 
 
 def fused_kernels_on(model_cfg: ModelConfig, dev: Device) -> bool:
-    """model.use_fused_kernels, where None means on for NPU and off elsewhere."""
-    return model_cfg.use_fused_kernels if model_cfg.use_fused_kernels is not None else dev.kind == "npu"
+    """model.use_fused_kernels, where None means on for NPU and CUDA (each patches its :data:`FUSED_OPS`) and off on
+    the host, where the ops are their plain-PyTorch references."""
+    return model_cfg.use_fused_kernels if model_cfg.use_fused_kernels is not None else dev.kind in ("npu", "cuda")
 
 
 def share_prompt_prefix_on(model_cfg: ModelConfig, dev: Device) -> bool:

@@ -20,6 +20,13 @@ def reference_backend():
 
 
 @pytest.fixture
+def cuda_branch():
+    """rms_norm and rotary on their CUDA branches (plain torch ops, so they run on CPU tensors too)."""
+    with dispatch.use_backend("cuda", ops=("rms_norm", "rotary")):
+        yield
+
+
+@pytest.fixture
 def fake_npu(monkeypatch):
     """Every op on its NPU branch, with the emulator standing in for torch_npu in sys.modules."""
     monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu)

@@ -236,3 +236,20 @@ def test_transformers_without_get_interface(branch, request, monkeypatch):
     monkeypatch.delattr(type(ALL_ATTENTION_FUNCTIONS), "get_interface")
     patch_model(model)
     _assert_same(_logits_and_grads(model, input_ids=ids), before)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_cuda_fused_ops_patch_matches_unpatched(family, cuda_branch):
+    """What use_fused_kernels patches on CUDA (RMSNorm and rotary, on their CUDA branches), run on CPU tensors:
+    the model's logits and every gradient stay HF's, with and without gradient checkpointing."""
+    from grpo_npu.ops import FUSED_OPS
+
+    model = _tiny(family)
+    ids = torch.randint(0, 97, (2, 11))
+    before = _logits_and_grads(model, input_ids=ids)
+    report = patch_model(model, ops=FUSED_OPS["cuda"])
+    assert {r.op for r in report.rows} == {"rms_norm", "rotary"} and {r.backend for r in report.rows} == {"cuda"}
+    assert model.config._attn_implementation != ATTN_IMPLEMENTATION  # HF's attention kernel stays
+    _assert_same(_logits_and_grads(model, input_ids=ids), before)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _assert_same(_logits_and_grads(model, input_ids=ids), before)

@@ -58,3 +58,31 @@ def test_npu_branch_casts_x_to_weight_dtype(fake_npu):
 def test_rejects_mismatched_weight(reference_backend):
     with pytest.raises(ValueError, match="weight size"):
         op.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_branch_matches_reference_forward_backward(shape, dtype, cuda_branch):
+    """The fused op (a composite of plain ops on CPU tensors) against HF's formula: forward and both gradients."""
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(shape[-1], dtype=dtype)).requires_grad_()
+    y = op.rms_norm(x, w, 1e-5)
+    gy = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), gy)
+    x_ref, w_ref = x.detach().requires_grad_(), w.detach().requires_grad_()
+    y_ref = op.rms_norm_reference(x_ref, w_ref, 1e-5)
+    gx_ref, gw_ref = torch.autograd.grad(y_ref, (x_ref, w_ref), gy)
+    assert y.dtype == y_ref.dtype == dtype
+    tol = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(gx, gx_ref, **tol)
+    torch.testing.assert_close(gw, gw_ref, **({"atol": 1e-1, "rtol": 2e-2} if tol else {}))
+
+
+def test_cuda_branch_keeps_hf_dtype_promotion(cuda_branch):
+    """bf16 activations into an fp32 norm weight: HF returns fp32 (promotion), so the branch takes the formula."""
+    x = torch.randn(2, 3, 16, dtype=torch.bfloat16)
+    w = 1 + 0.1 * torch.randn(16)
+    y = op.rms_norm(x, w, 1e-6)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, op.rms_norm_reference(x, w, 1e-6))

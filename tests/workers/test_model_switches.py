@@ -1,6 +1,6 @@
 """The device-aware model switches: None (auto) resolves per device kind, an explicit value always wins.
 
-model.use_fused_kernels: on for NPU; model.share_prompt_prefix and model.use_onednn_linear: on for CPU
+model.use_fused_kernels: on for NPU and CUDA; model.share_prompt_prefix and model.use_onednn_linear: on for CPU
 (docs/performance.md, "Defaults tried for the CLI": the default job learns as well with them; on CUDA
 share_prompt_prefix doubled the 0.5B-shape update, and oneDNN's matmul is a CPU kernel).
 """
@@ -16,7 +16,7 @@ from grpo_npu.workers.response_model import fused_kernels_on, onednn_linear_on, 
 
 from .helpers import make_batch, make_cfg, make_worker
 
-AUTO_ON = {fused_kernels_on: "npu", share_prompt_prefix_on: "cpu", onednn_linear_on: "cpu"}
+AUTO_ON = {fused_kernels_on: ("npu", "cuda"), share_prompt_prefix_on: ("cpu",), onednn_linear_on: ("cpu",)}
 KEYS = {fused_kernels_on: "use_fused_kernels", share_prompt_prefix_on: "share_prompt_prefix",
         onednn_linear_on: "use_onednn_linear"}
 
@@ -31,7 +31,7 @@ def _model(**values):
 def test_auto_is_on_for_one_device_kind_and_explicit_values_win(switch, kind):
     key = KEYS[switch]
     assert getattr(_model(), key) is None  # the schema default is auto
-    assert switch(_model(), Device(kind)) is (kind == AUTO_ON[switch])
+    assert switch(_model(), Device(kind)) is (kind in AUTO_ON[switch])
     for value in (True, False):
         assert switch(_model(**{key: value}), Device(kind)) is value
 

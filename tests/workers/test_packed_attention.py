@@ -50,7 +50,7 @@ def _largest(fn) -> LargestTensor:
 def test_packed_rows_take_a_varlen_attention(impl, patched):
     def ops(**kw):
         base = dict(fused_kernels=False, onednn_linear=False, shared_prefix=False, remove_padding=True,
-                    attn_implementation=impl)
+                    attn_implementation=impl, device_kind="cpu")
         return ops_to_patch(**(base | kw))
 
     assert ("attention" in ops()) == patched
@@ -58,6 +58,11 @@ def test_packed_rows_take_a_varlen_attention(impl, patched):
     assert ops(remove_padding=False, shared_prefix=True) == ("attention",)  # kv_index: grpo_npu's attention only
     assert ops(onednn_linear=True) == (("linear", "attention") if patched else ("linear",))
     assert ops(fused_kernels=True, remove_padding=False) == ("linear", "rms_norm", "rotary", "mlp", "attention")
+    assert ops(fused_kernels=True, remove_padding=False, device_kind="npu") == ops(fused_kernels=True)
+    # CUDA: only the ops with a CUDA branch, plus what packing asks for
+    assert ops(fused_kernels=True, remove_padding=False, device_kind="cuda") == ("rms_norm", "rotary")
+    assert ops(fused_kernels=True, device_kind="cuda") == (("rms_norm", "rotary", "attention") if patched
+                                                            else ("rms_norm", "rotary"))
 
 
 def test_packed_batches_allocate_no_n_by_n_tensor(tiny_model_path):
