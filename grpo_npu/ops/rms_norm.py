@@ -1,7 +1,7 @@
 """RMSNorm: ``torch_npu.npu_rms_norm`` on Ascend, torch's fused kernel on CUDA, the Hugging Face Qwen2/Llama formula
 elsewhere.
 
-The CUDA branch is ``torch._fused_rms_norm`` (ATen, CUDA kernel from torch 2.9; its backward is one fused kernel
+The CUDA branch is ``aten::_fused_rms_norm`` (CUDA kernel from torch 2.9; its backward is one fused kernel
 too, ``_fused_rms_norm_backward``): one launch per norm in each direction where the formula below takes eight
 forward (two casts, pow, mean, add, rsqrt, two multiplies) and about twice that backward. Eager updates on a GPU
 are bound by launches (docs/performance.md), and a Qwen2 layer has two norms. It computes in fp32 and rounds
@@ -20,7 +20,7 @@ from grpo_npu.ops import dispatch
 def _auto() -> str:
     if device.is_npu_available():
         return "npu"
-    return "cuda" if device.is_cuda_available() and hasattr(torch, "_fused_rms_norm") else "reference"
+    return "cuda" if device.is_cuda_available() and hasattr(torch.ops.aten, "_fused_rms_norm") else "reference"
 
 
 BACKEND = dispatch.register(dispatch.OpBackend("rms_norm", ("npu", "cuda", "reference"), _auto))
@@ -51,7 +51,7 @@ def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     # HF's result dtype is promote(weight, x); the fused op returns x's dtype, so it only serves one dtype.
     if x.dtype != weight.dtype:
         return rms_norm_reference(x, weight, eps)
-    return torch._fused_rms_norm(x, [x.shape[-1]], weight, eps)[0]
+    return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)[0]  # the OpOverload: dynamo traces it
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -253,3 +253,18 @@ def test_cuda_fused_ops_patch_matches_unpatched(family, cuda_branch):
     _assert_same(_logits_and_grads(model, input_ids=ids), before)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     _assert_same(_logits_and_grads(model, input_ids=ids), before)
+
+
+def test_cuda_fused_ops_trace_without_graph_breaks(cuda_branch):
+    """model.compile_layers compiles each decoder layer: the CUDA branches must not break its graph (the fused norm
+    is called as an ATen OpOverload, which dynamo traces; its Python binding would break the graph)."""
+    from grpo_npu.ops import FUSED_OPS
+
+    model = _tiny("qwen2")
+    patch_model(model, ops=FUSED_OPS["cuda"])
+    layer = model.model.layers[0]
+    hidden = torch.randn(2, 7, 64, requires_grad=True)
+    position_ids = torch.arange(7)[None]
+    cos_sin = model.model.rotary_emb(hidden, position_ids)
+    explained = torch._dynamo.explain(layer)(hidden, position_embeddings=cos_sin, position_ids=position_ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
