@@ -45,6 +45,18 @@ def _auto_npu_or_reference() -> str:
     return "npu" if device.is_npu_available() else "reference"
 
 
+def auto_npu_cuda_or_reference(cuda_ready: Callable[[], bool] = lambda: True) -> Callable[[], str]:
+    """The automatic choice of an op with a CUDA branch: ``npu`` when an Ascend NPU is usable, ``cuda`` when a CUDA GPU
+    is and ``cuda_ready()`` (what the branch needs from the installed libraries), else ``reference``."""
+
+    def auto() -> str:
+        if device.is_npu_available():
+            return "npu"
+        return "cuda" if device.is_cuda_available() and cuda_ready() else "reference"
+
+    return auto
+
+
 class OpBackend:
     """The backend of one op, resolved on first use and cached; ``set`` overrides it."""
 

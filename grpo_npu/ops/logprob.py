@@ -47,19 +47,16 @@ ACCELERATOR_BLOCK_MAX_BYTES = 1024**3
 _FLASH_ATTN_CE = "flash_attn.ops.triton.cross_entropy"
 
 
-def _auto_backend() -> str:
-    if device.is_npu_available():
-        return "npu"
-    if device.is_cuda_available():
-        try:
-            importlib.import_module(_FLASH_ATTN_CE)
-            return "cuda"
-        except ImportError:
-            pass
-    return "reference"
+def _flash_attn_ce_installed() -> bool:
+    try:
+        importlib.import_module(_FLASH_ATTN_CE)
+        return True
+    except ImportError:
+        return False
 
 
-BACKEND = dispatch.register(dispatch.OpBackend("logprob", ("npu", "cuda", "reference"), _auto_backend))
+BACKEND = dispatch.register(dispatch.OpBackend("logprob", ("npu", "cuda", "reference"),
+                                               dispatch.auto_npu_cuda_or_reference(_flash_attn_ce_installed)))
 
 # (z (n, V) fp32 tempered logits, labels (n,), with_entropy) -> (logp (n,), lse (n,), entropy (n,) | None)
 ChunkStats = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]

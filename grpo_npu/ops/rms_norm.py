@@ -13,17 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from grpo_npu import device
 from grpo_npu.ops import dispatch
 
-
-def _auto() -> str:
-    if device.is_npu_available():
-        return "npu"
-    return "cuda" if device.is_cuda_available() and hasattr(torch.ops.aten, "_fused_rms_norm") else "reference"
-
-
-BACKEND = dispatch.register(dispatch.OpBackend("rms_norm", ("npu", "cuda", "reference"), _auto))
+BACKEND = dispatch.register(dispatch.OpBackend(
+    "rms_norm", ("npu", "cuda", "reference"),
+    dispatch.auto_npu_cuda_or_reference(lambda: hasattr(torch.ops.aten, "_fused_rms_norm")),
+))
 
 
 def set_backend(name: str | None) -> None:

@@ -16,17 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from grpo_npu import device
 from grpo_npu.ops import dispatch
 
-
-def _auto() -> str:
-    if device.is_npu_available():
-        return "npu"
-    return "cuda" if device.is_cuda_available() else "reference"
-
-
-BACKEND = dispatch.register(dispatch.OpBackend("rotary", ("npu", "cuda", "reference"), _auto))
+BACKEND = dispatch.register(dispatch.OpBackend("rotary", ("npu", "cuda", "reference"),
+                                               dispatch.auto_npu_cuda_or_reference()))
 
 
 def set_backend(name: str | None) -> None:
