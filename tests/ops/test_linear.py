@@ -53,7 +53,7 @@ def test_forward_and_backward_match_float64(shape, bias, transposed_input, count
     with dispatch.use_backend("onednn", ops=("linear",)):
         y = linear_op.linear(xs, ws, bs)
     y.backward(g)
-    assert len(counted_mm) == 3  # forward, grad_x, grad_w: all three through oneDNN
+    assert len(counted_mm) == 2  # forward and grad_x through oneDNN; grad_w through torch's matmul (MKL)
     tol = dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(y.double(), want_y, **tol)
     torch.testing.assert_close(xs.grad.double(), want_gx, **tol)
@@ -63,13 +63,19 @@ def test_forward_and_backward_match_float64(shape, bias, transposed_input, count
 
 
 @needs_onednn
-def test_frozen_weight_skips_its_product(counted_mm):
+@pytest.mark.parametrize("frozen", [True, False])
+def test_weight_gradient_product_only_when_needed(frozen, counted_mm):
+    from torch.utils.flop_counter import FlopCounterMode
+
     x = torch.randn(5, 8, requires_grad=True)
-    w = torch.randn(6, 8)  # no grad: a reference model's or a frozen layer's weight
-    with dispatch.use_backend("onednn", ops=("linear",)):
+    w = torch.randn(6, 8, requires_grad=not frozen)  # frozen: a reference model's or a frozen layer's weight
+    with dispatch.use_backend("onednn", ops=("linear",)), FlopCounterMode(display=False) as flops:
         linear_op.linear(x, w).sum().backward()
-    assert len(counted_mm) == 2
-    torch.testing.assert_close(x.grad, torch.ones(5, 6) @ w)
+    assert len(counted_mm) == 2  # forward and grad_x, through oneDNN
+    assert flops.get_total_flops() == (0 if frozen else 2 * 5 * 8 * 6)  # grad_w: one torch matmul, or none
+    torch.testing.assert_close(x.grad, torch.ones(5, 6) @ w.detach())
+    if not frozen:
+        torch.testing.assert_close(w.grad, torch.ones(5, 6).t() @ x.detach())
 
 
 @pytest.mark.parametrize("make", [
