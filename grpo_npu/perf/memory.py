@@ -19,8 +19,9 @@ estimate can be checked. Components, per rank (FSDP shards by ``world_size``):
                 not wrapped (a one-rank run on the host: workers/response_model.py::fsdp_wrap_on)
     activations the saved tensors of one micro-batch: per token and decoder layer ~(8 h + 2 kv + 3 i)
                 values plus 2 x heads x S attention scores (SDPA-math attention over S padded positions);
-                with gradient checkpointing only each layer's input (h per token) is kept and one layer is
-                recomputed at a time; the chunked log-prob op holds one fp32 (rows, V) block. The update's
+                with gradient checkpointing only each layer's input (h per token) is kept and one layer's
+                tensors are alive at a time (the last layer's from its forward through the loss, as it is not
+                recomputed: workers/response_model.py::keep_last_layer_activations; the others' recomputed); the chunked log-prob op holds one fp32 (rows, V) block. The update's
                 figure is the larger of that and the optimizer step's fp32 temporary (one parameter-sized
                 buffer, alive after the activations are freed)
     kv_cache    rollout: vLLM reserves gpu_memory_utilization of the device for weights + KV cache; the
@@ -97,7 +98,7 @@ def activation_bytes(shape: ModelShape, rows: int, length: int, dtype: str, *, c
     logprob = min(head_tokens, head_rows) * shape.head_width * 4 * LOGPROB_BLOCKS + head_tokens * shape.hidden * size
     if not backward:  # no graph: one layer's temporaries at a time
         return layer + logprob
-    if checkpointing:  # every layer's input kept; one layer recomputed at a time in backward
+    if checkpointing:  # every layer's input kept; one layer's tensors at a time (the last kept, the others recomputed)
         return shape.layers * tokens * shape.hidden * size + layer + logprob
     return shape.layers * layer + logprob  # every layer's tensors saved
 
