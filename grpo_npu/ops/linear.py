@@ -9,7 +9,7 @@ argument W.T) and the weight gradient grad_W = g.T @ x through torch's matmul (M
 is a sum. The weight gradient is the one product where MKL wins: its operands are both transposed views,
 which oneDNN reorders first. Measured on the same 2-core CPU, best of 10: MKL took 0.74-0.84x oneDNN's time
 over the tiny and 3M models' layer shapes at 1200 and 4000 tokens, 0.89x over Qwen2.5-0.5B's at 4000
-tokens (1.06x at 400 tokens), and 0.55-0.90x for the LM head's weight gradient
+tokens (1.06x at 400 tokens), and 0.5-0.9x for the LM head's weight gradient
 (:func:`grpo_npu.ops.logprob.linear_logprobs`); the whole update of the step benchmark's eos workload,
 the 3M model and the 0.5B shape got 2-5% faster.
 
