@@ -63,7 +63,7 @@ class ModelConfig:
     override_config: Dict[str, Any] = free_dict()
     """Overrides for the HF model config (e.g. +actor_rollout_ref.model.override_config.attn_implementation=eager)."""
     enable_gradient_checkpointing: bool = False
-    """Recompute decoder-layer activations in backward (less memory, ~30% more compute)."""
+    """Recompute decoder-layer activations in backward, every layer's but the last (less memory, ~30% more compute)."""
     enable_activation_offload: bool = False
     """Offload checkpointed activations to the host (not implemented; must stay False)."""
     use_remove_padding: bool = False

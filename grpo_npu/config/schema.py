@@ -79,7 +79,7 @@ class CriticModelConfig:
     override_config: Dict[str, Any] = free_dict()
     """Overrides for the HF model config."""
     enable_gradient_checkpointing: bool = True
-    """Recompute activations in the critic's backward."""
+    """Recompute decoder-layer activations in the critic's backward, every layer's but the last."""
     use_remove_padding: bool = False
     """Pack sequences without padding (varlen attention, no (N, N) mask)."""
     trust_remote_code: bool = False
