@@ -53,7 +53,7 @@ def test_forward_and_backward_match_float64(shape, bias, transposed_input, count
     with dispatch.use_backend("onednn", ops=("linear",)):
         y = linear_op.linear(xs, ws, bs)
     y.backward(g)
-    assert len(counted_mm) == 2  # forward and grad_x through oneDNN; grad_w through torch's matmul (MKL)
+    assert len(counted_mm) == 2  # forward and grad_x through oneDNN; grad_w (40 outputs >= 24 inputs) through MKL
     tol = dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(y.double(), want_y, **tol)
     torch.testing.assert_close(xs.grad.double(), want_gx, **tol)
@@ -64,18 +64,21 @@ def test_forward_and_backward_match_float64(shape, bias, transposed_input, count
 
 @needs_onednn
 @pytest.mark.parametrize("frozen", [True, False])
-def test_weight_gradient_product_only_when_needed(frozen, counted_mm):
+@pytest.mark.parametrize("out_features, in_features", [(8, 6), (6, 6), (6, 8)])
+def test_weight_gradient_product_by_shape_and_only_when_needed(frozen, out_features, in_features, counted_mm):
+    """grad_w: torch's matmul (MKL) where out_features >= in_features, oneDNN where the layer narrows; none frozen."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    x = torch.randn(5, 8, requires_grad=True)
-    w = torch.randn(6, 8, requires_grad=not frozen)  # frozen: a reference model's or a frozen layer's weight
+    x = torch.randn(5, in_features, requires_grad=True)
+    w = torch.randn(out_features, in_features, requires_grad=not frozen)  # frozen: a reference model's weight
     with dispatch.use_backend("onednn", ops=("linear",)), FlopCounterMode(display=False) as flops:
         linear_op.linear(x, w).sum().backward()
-    assert len(counted_mm) == 2  # forward and grad_x, through oneDNN
-    assert flops.get_total_flops() == (0 if frozen else 2 * 5 * 8 * 6)  # grad_w: one torch matmul, or none
-    torch.testing.assert_close(x.grad, torch.ones(5, 6) @ w.detach())
+    mkl = not frozen and out_features >= in_features
+    assert len(counted_mm) == 2 + (not frozen and not mkl)  # forward and grad_x through oneDNN, grad_w by shape
+    assert flops.get_total_flops() == (2 * 5 * out_features * in_features if mkl else 0)  # aten.mm: MKL's product
+    torch.testing.assert_close(x.grad, torch.ones(5, out_features) @ w.detach())
     if not frozen:
-        torch.testing.assert_close(w.grad, torch.ones(5, 6).t() @ x.detach())
+        torch.testing.assert_close(w.grad, torch.ones(5, out_features).t() @ x.detach())
 
 
 @pytest.mark.parametrize("make", [
