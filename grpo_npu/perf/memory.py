@@ -21,7 +21,8 @@ estimate can be checked. Components, per rank (FSDP shards by ``world_size``):
                 values plus 2 x heads x S attention scores (SDPA-math attention over S padded positions);
                 with gradient checkpointing only each layer's input (h per token) is kept and one layer's
                 tensors are alive at a time (the last layer's from its forward through the loss, as it is not
-                recomputed: workers/response_model.py::keep_last_layer_activations; the others' recomputed); the chunked log-prob op holds one fp32 (rows, V) block. The update's
+                recomputed: workers/response_model.py::keep_last_layer_activations; the others' recomputed);
+                the chunked log-prob op holds one fp32 (rows, V) block. The update's
                 figure is the larger of that and the optimizer step's fp32 temporary (one parameter-sized
                 buffer, alive after the activations are freed)
     kv_cache    rollout: vLLM reserves gpu_memory_utilization of the device for weights + KV cache; the

@@ -269,7 +269,6 @@ def onednn_linear_on(model_cfg: ModelConfig, dev: Device) -> bool:
     return model_cfg.use_onednn_linear if model_cfg.use_onednn_linear is not None else dev.kind == "cpu"
 
 
-
 def keep_last_layer_activations(layers: list[nn.Module]) -> bool:
     """Gradient checkpointing for every decoder layer but the last; returns whether the last was changed.
 
