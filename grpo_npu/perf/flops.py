@@ -16,9 +16,10 @@ the full L x L square and mask half of it; ``causal=False`` counts that square (
 
 Training: backward is two products per forward product (gradient of the input and of the weight), so
 forward + backward = 3 x forward. Gradient checkpointing recomputes each decoder layer's forward in
-backward. The trainer checkpoints non-reentrantly (``use_reentrant=False``), and torch then stops the
-recomputation once every tensor backward needs is back: the layer's last product, the MLP's down
-projection, whose output nothing saves, is not redone. :func:`train_flops` counts that recompute only
+backward but the last layer's, whose tensors the trainer keeps (workers/response_model.py::
+keep_last_layer_activations). The trainer checkpoints non-reentrantly (``use_reentrant=False``), and torch
+then stops the recomputation once every tensor backward needs is back: the layer's last product, the MLP's
+down projection, whose output nothing saves, is not redone. :func:`train_flops` counts that recompute only
 when asked (``recompute=True``: the hardware FLOPs); MFU conventionally counts model FLOPs, without it.
 """
 
@@ -184,12 +185,13 @@ def forward_flops(shape: ModelShape, lengths: Sequence[int], *, head_tokens: int
 def train_flops(shape: ModelShape, lengths: Sequence[int], *, head_tokens: int | None = None,
                 recompute: bool = False, causal: bool = True) -> Flops:
     """Forward + backward (3 x forward); ``recompute`` adds the checkpointed layers' second forward
-    (all of each layer but its down projection: module docstring)."""
+    (every layer but the last, all of each but its down projection: module docstring)."""
     fwd = forward_flops(shape, lengths, head_tokens=head_tokens, causal=causal)
     if not recompute:
         return 3 * fwd
-    redone = fwd.linear * shape.recomputed_layer_weights / shape.layer_weights
-    return 3 * fwd + Flops(linear=redone, attention=fwd.attention)
+    checkpointed = (shape.layers - 1) / shape.layers
+    redone = fwd.linear * checkpointed * shape.recomputed_layer_weights / shape.layer_weights
+    return 3 * fwd + Flops(linear=redone, attention=fwd.attention * checkpointed)
 
 
 def decode_flops(shape: ModelShape, contexts: Sequence[int]) -> Flops:

@@ -24,6 +24,7 @@ from transformers import (
 )
 
 from grpo_npu.perf.flops import ModelShape, decode_flops, decode_step_bytes, forward_flops, train_flops
+from grpo_npu.workers.response_model import keep_last_layer_activations
 
 TOLERANCE = 0.05  # the bound; the counts agree exactly today
 VOCAB = 128
@@ -84,8 +85,9 @@ def test_forward_matches_flop_counter(family):
 def test_forward_backward_matches_flop_counter(family, checkpointing):
     model, shape = tiny_model(family)
     model.train()  # HF checkpoints layers only in training mode
-    if checkpointing:  # as the trainer does it (workers/response_model.py)
+    if checkpointing:  # as the trainer does it (workers/response_model.py): every layer but the last
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        assert keep_last_layer_activations(list(model.model.layers))
     ids = prompts(LENGTHS)
 
     def run():
