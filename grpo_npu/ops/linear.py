@@ -4,14 +4,8 @@ On this project's CPU (AMD EPYC, AVX-512) torch's fp32 ``F.linear`` goes to MKL'
 150-190 GFLOP/s (2 threads) on Qwen2.5-0.5B's layer shapes, while oneDNN's matmul, the library vLLM's
 CPU backend uses, ran the same products at 370-400 GFLOP/s. torch reaches oneDNN for fp32 only through
 ``torch.ops.mkldnn._linear_pointwise``, a forward-only op that takes plain strided tensors. This module
-wraps it in an autograd Function whose backward computes grad_x = g @ W through oneDNN too (weight
-argument W.T) and the weight gradient grad_W = g.T @ x (both operands transposed views) through oneDNN or
-torch's matmul (MKL), whichever measured faster for the layer's shape: MKL where out_features >= in_features,
-oneDNN where the layer narrows (the MLP's down projection); the bias gradient is a sum. MKL's time over
-oneDNN's for grad_W on this project's 2-core CPU (best of 6, at 128 / 400 / 1,200 / 3,000 tokens):
-(out, in) = (384, 128) 0.54-0.76x, (640, 256) 0.73-0.87x, (1024, 512) 0.89-0.98x, (896, 896) 0.93-0.98x,
-(4864, 896) 0.79-0.96x, (8960, 1536) 0.84-1.04x, but (896, 4864) 1.08-1.24x. The chunked LM head's weight
-gradient (:func:`grpo_npu.ops.logprob.linear_logprobs`; out = the vocabulary) takes MKL: 0.5-0.9x.
+wraps it in an autograd Function whose backward is two more oneDNN products on transposed views:
+grad_x = g @ W (weight argument W.T) and grad_W = g.T @ x (weight argument x.T); the bias gradient is a sum.
 
 Backends: ``onednn`` (CPU fp32 tensors, when the op exists and a probe matches F.linear) and
 ``reference`` (F.linear: every other dtype and device, DTensors, empty inputs).
@@ -80,17 +74,9 @@ class _OneDNNLinear(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])
         need_x, need_w, need_b = ctx.needs_input_grad
         grad_x = _mm(g2, weight.t()).view(ctx.x_shape) if need_x else None
-        grad_w = weight_grad(g2, x2) if need_w else None
+        grad_w = _mm(g2.t(), x2.t()) if need_w else None
         grad_b = g2.sum(0) if ctx.has_bias and need_b else None
         return grad_x, grad_w, grad_b
-
-
-def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``g (M, N).T @ x (M, K)``, the weight gradient of a linear layer with N outputs and K inputs (fp32 CPU
-    tensors): torch's matmul (MKL) where N >= K, oneDNN where the layer narrows (module docstring)."""
-    if g.shape[1] >= x.shape[1]:
-        return g.t() @ x
-    return _mm(g.t(), x.t())
 
 
 def _onednn_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

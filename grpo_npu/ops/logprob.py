@@ -245,10 +245,13 @@ class _LinearLogprobs(torch.autograd.Function):
             g = _chunk_grad(z, labels[block], lse[block], g_logp[block], g_ent, ctx.temperature).to(hidden.dtype)
             if need_hidden:
                 grad_hidden[block] = mm_nt(g, weight.t(), onednn=onednn)  # g @ weight
-            if need_weight:  # g.T @ h through torch's matmul even with oneDNN (MKL is faster here: ops.linear)
+            if need_weight and onednn:  # g.T @ h as one oneDNN product per chunk, no zero-filled start
+                part = mm_nt(g.t(), h.t(), onednn=True)
+                grad_weight = part if grad_weight is None else grad_weight.add_(part)
+            elif need_weight:
                 if grad_weight is None:
-                    grad_weight = (g.t() @ h).float()
-                elif g.dtype == torch.float32:
+                    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                if g.dtype == torch.float32:
                     grad_weight.addmm_(g.t(), h)
                 else:
                     grad_weight += (g.t() @ h).float()
@@ -331,8 +334,7 @@ def linear_logprobs(
     hidden (N, H) or (B, T, H), weight (V, H) (the lm_head weight, no bias), labels (N,) or (B, T).
     Returns fp32 logp shaped like labels, or (logp, entropy) with ``with_entropy``. Gradients flow
     to hidden and weight; backward recomputes each chunk's logits. ``onednn``: the chunk products go
-    through :func:`grpo_npu.ops.linear.mm_nt` (oneDNN for fp32 CPU tensors, the same products otherwise),
-    except the weight gradient's, which torch's matmul does faster (:mod:`grpo_npu.ops.linear`).
+    through :func:`grpo_npu.ops.linear.mm_nt` (oneDNN for fp32 CPU tensors, the same products otherwise).
     """
     labels = _check_common(labels, temperature, chunk_size)
     if hidden.shape[:-1] != labels.shape or hidden.dim() not in (2, 3):

@@ -104,7 +104,7 @@ def test_linear_logprobs_match_naive_forward_backward(branch, with_entropy, hidd
         grads = torch.autograd.grad(loss, (hidden, weight))
     n, rows = logp.numel(), chunk or logp.numel()
     chunks = -(-n // rows)
-    assert len(products) == (3 * chunks if onednn else 0)  # forward; backward: logits, grad hidden (grad weight: MKL)
+    assert len(products) == (4 * chunks if onednn else 0)  # forward; backward: logits, grad hidden, grad weight
     assert torch.equal(hidden.detach(), h_before) and torch.equal(weight.detach(), w_before)
 
     h, w = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
