@@ -43,8 +43,9 @@ RUN_TIMEOUT_S = 1800.0
 VERDICT_PREFIX = "perf: "  # the trainer's end-of-run verdict line (grpo_npu.perf.report.verdict)
 
 # 2 prompts x n=2, exactly 32 new tokens (ignore_eos), one micro-batch, KL loss, gradient checkpointing, fp32,
-# 2 threads; one warm-up and two timed steps.
-WORK = svt.Workload("phase_limits", "0.5b", prompts=2, n=2, response_len=32, micro_batch=4, timed_steps=3, threads=2)
+# 2 threads; one warm-up and three timed steps.
+WORK = svt.Workload("phase_limits", "0.5b", prompts=2, n=2, response_len=32, micro_batch=4, timed_steps=3, rounds=1,
+                    threads=2)
 QUICK = replace(WORK, model="3m", response_len=8)
 
 

@@ -33,6 +33,7 @@ def inputs(tmp_path_factory, tiny_model_path):
 @pytest.mark.parametrize("change, message", [
     (dict(micro_batch=3), "not a multiple of micro_batch"),
     (dict(timed_steps=0), "timed_steps"),
+    (dict(rounds=0), "rounds"),
     (dict(model="7b"), "known"),
     (dict(overrides=("enforce_eager",)), "expected key=value"),
 ])
@@ -81,20 +82,58 @@ def test_trl_does_the_same_work(work, tmp_path):
     assert not args.bf16 and not args.fp16 and args.use_cpu and args.max_steps == 1 + work.timed_steps
 
 
+def _measured(step_s, cpu_s, sections=None):
+    sections = sections or [{"gen": t / 2, "score": t / 4, "update": t / 4, "other": 0.0} for t in step_s]
+    return {"step_s": step_s, "cpu_s": cpu_s, "sections": sections, "tokens": [100.0] * len(step_s),
+            "response_tokens": [64.0] * len(step_s), "threads": 2, "process_s": 9.0}
+
+
 def test_summary_row_takes_the_fastest_step():
-    measured = {
-        "step_s": [2.0, 1.0, 4.0], "cpu_s": [1.9, None, 1.2],
-        "sections": [{"gen": 1.0, "score": 0.5, "update": 0.5, "other": 0.0},
-                     {"gen": 0.5, "score": 0.2, "update": 0.3, "other": 0.0},
-                     {"gen": 2.0, "score": 1.0, "update": 1.0, "other": 0.0}],
-        "tokens": [100.0, 100.0, 100.0], "response_tokens": [64.0, 64.0, 64.0], "threads": 2, "process_s": 9.0,
-    }
-    row = svt.summarise(svt.FIXED, "grpo_npu_hf", measured)
+    measured = _measured([2.0, 1.0, 4.0], [1.9, None, 1.2],
+                         [{"gen": 1.0, "score": 0.5, "update": 0.5, "other": 0.0},
+                          {"gen": 0.5, "score": 0.2, "update": 0.3, "other": 0.0},
+                          {"gen": 2.0, "score": 1.0, "update": 1.0, "other": 0.0}])
+    row = svt.summarise(svt.FIXED, "grpo_npu_hf", [measured])
     assert row["step_s"] == 1.0 and row["steps_per_s"] == 1.0 and row["tokens_per_s"] == 100.0
     assert row["step_s_median"] == 2.0 and row["prompt_tokens_per_step"] == 36.0 and row["cpu_s"] == 1.2
     assert row["gen_s"] == 0.5 and row["step_s_all"] == "2/1/4" and row["side"] == "grpo_npu (rollout=hf)"
-    tuned = svt.summarise(replace(svt.FIXED, overrides=("a.b=1",)), "grpo_npu_hf", measured)
+    tuned = svt.summarise(replace(svt.FIXED, overrides=("a.b=1",)), "grpo_npu_hf", [measured])
     assert tuned["side"].endswith("+ overrides")  # never passes for the defaults
+
+
+def test_summary_row_spans_rounds():
+    first = {**_measured([2.0, 3.0], [2.0, 2.5]), "limits": [{"perf/mfu/actor": 0.1}, {"perf/mfu/actor": 0.2}],
+             "peak_memory_gb": 1.0}
+    second = {**_measured([1.5, 0.9], [1.4, 0.8]), "limits": [{"perf/mfu/actor": 0.3}, {"perf/mfu/actor": 0.4}],
+              "peak_memory_gb": 1.5, "process_s": 12.0}
+    row = svt.summarise(svt.FIXED, "grpo_npu_hf", [first, second])
+    assert row["step_s"] == 0.9 and row["perf/mfu/actor"] == 0.4 and row["update_s"] == 0.9 / 4
+    assert row["step_s_all"] == "2/3 | 1.5/0.9" and row["step_s_median"] == 1.75
+    assert row["cpu_s"] == 0.8 and row["peak_memory_gb"] == 1.5 and row["process_s"] == 12.0
+
+
+def test_rounds_rotate_the_order_of_the_sides():
+    sides = list(svt.SIDES)
+    orders = [svt.rotated(sides, n) for n in range(3)]
+    assert [order[0] for order in orders] == sides  # each side runs first once in three rounds
+    assert all(sorted(order) == sorted(sides) for order in orders) and svt.rotated(sides, 3) == sides
+
+
+def test_target_is_the_median_of_each_rounds_ratio():
+    from bench.common import BenchResult
+
+    def rows(ours, trl):
+        side = {"prompt_tokens_per_step": 800, "response_tokens_per_step": 4096, "cpu_s": 1.0}
+        return {"trl": {**side, "steps_per_s": 1 / trl}, "grpo_npu_hf": {**side, "steps_per_s": 1 / ours}}
+
+    # the host slows between rounds: the whole run's fastest steps (0.5 s ours, 1.0 s TRL's) come from
+    # different rounds and would say 2.0x; each round says 1.5x, 1.25x, 1.0x
+    rounds = [rows(0.5, 0.75), rows(1.2, 1.5), rows(2.0, 2.0)]
+    result = BenchResult(name="step_vs_trl")
+    svt.check_workload(result, svt.FIXED, {"prompt_tokens": 200}, rows(0.5, 0.75) | {"trl": rows(1, 1.0)["trl"]},
+                       rounds)
+    assert result.targets["fixed_grpo_npu_hf_vs_trl_steps_per_s"]["measured"] == pytest.approx(1.25)
+    assert any("1.50/1.25/1.00x (median 1.25x" in n and "2.00x in wall time" in n for n in result.notes)
 
 
 def test_ratios_and_mismatch_checks():
