@@ -94,8 +94,7 @@ class HFRollout(Rollout):
         prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]  # (B, P') with P' the longest prompt
         n = sampling.n
         device = next(self.module.parameters()).device
-        ids = prompt_ids.repeat_interleave(n, dim=0).to(device)  # (B*n, P'), prompt i -> rows i*n..i*n+n-1
-        mask = prompt_mask.repeat_interleave(n, dim=0).to(device)  # (B*n, P')
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         was_training = self.module.training
         self.module.eval()
         try:
@@ -104,12 +103,13 @@ class HFRollout(Rollout):
                 if self._static(grouped):
                     with self._decoding() as model:
                         if model is not None:
-                            generated, logp = static_generate(
-                                model, ids, mask, sampling, pad_token_id=self.pad_token_id,
+                            generated, logp = static_generate(  # prefills each prompt once for its n rows
+                                model, prompt_ids, prompt_mask, sampling, pad_token_id=self.pad_token_id,
                                 eos_token_ids=self.eos_token_ids,
                                 graphs=get_device("cuda") if device.type == "cuda" else None)
-                if generated is None:
-                    generated, logp = self._generate(ids, mask, sampling)
+                if generated is None:  # prompt i -> rows i*n..i*n+n-1
+                    generated, logp = self._generate(prompt_ids.repeat_interleave(n, dim=0),
+                                                     prompt_mask.repeat_interleave(n, dim=0), sampling)
         finally:
             self.module.train(was_training)
         return self._pack(generated.cpu(), logp.cpu() if logp is not None else None, sampling.ignore_eos)

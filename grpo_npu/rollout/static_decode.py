@@ -5,9 +5,11 @@ every token), rebuilds the attention mask, and runs its logits processors and st
 at every token; on an accelerator the decode step of a small model is then bound by that Python and by
 kernel launches, not by the device. This loop keeps every shape fixed for the whole call instead:
 
-- cache: per layer, (B, Nkv, P + T, D) key and value buffers allocated at the prefill and written in place
-  (``index_copy_`` at a device-side position), :class:`StaticKV` -- the one method attention layers call,
-  ``update``, is all transformers needs of a cache when positions and masks are given;
+- prefill once per prompt: the B prompts are prefilled, then their cache rows and last logits copied to
+  their n samples' rows (``generate`` prefills all B*n rows, n copies of the same work);
+- cache: per layer, (B*n, Nkv, P + T, D) key and value buffers allocated at the prefill and written in
+  place (``index_copy_`` at a device-side position), :class:`StaticKV` -- the one method attention layers
+  call, ``update``, is all transformers needs of a cache when positions and masks are given;
 - masks: 4-D boolean masks made here and handed to the model, which transformers passes through as
   prepared masks. Prefill: (B, 1, P, P) causal and padding over the prompt's slots alone, each pad
   position seeing itself (no fully masked row).
@@ -21,6 +23,12 @@ kernel launches, not by the device. This loop keeps every shape fixed for the wh
   (tests/rollout/test_static_decode.py);
 - CUDA: after one eager decode step, the step (mask update, forward, fp32 logits) is captured in a CUDA
   graph and replayed for every later token, so a token costs one graph launch plus the sampling ops.
+- stopped rows leave (eager steps, i.e. without CUDA graphs): once at most half the rows in the batch
+  still run, the others are dropped from the cache, mask and inputs (:class:`_Rows`), so a batch whose
+  answers mostly stop early stops paying for them. The random draws stay those of the whole batch, so the
+  tokens are the same as without it. On the eos step benchmark's batch (64 rows of the default job's
+  model, answers of 14-32 tokens, 2 CPU threads) the two changes took the loop from 0.11-0.20 s to
+  0.07-0.12 s, same tokens; 16-18% at fixed length (3M model, 64 x 64 tokens), from the prefill alone.
 
 Rows stop at eos as in ``generate``; the loop ends when every row has stopped (checked every
 ``CHECK_EVERY`` tokens on an accelerator, where the check waits for the device) or at T tokens.
@@ -69,6 +77,16 @@ class StaticKV:
             return keys[:, :, : self.visible], values[:, :, : self.visible]
         return keys, values
 
+    def repeat_rows(self, n: int) -> None:
+        """Row i of every buffer becomes rows i*n .. i*n+n-1 (one prefill serving n samples of a prompt)."""
+        self.keys = [k.repeat_interleave(n, dim=0) for k in self.keys]
+        self.values = [v.repeat_interleave(n, dim=0) for v in self.values]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (long, in order) of every buffer."""
+        self.keys = [k.index_select(0, rows) for k in self.keys]
+        self.values = [v.index_select(0, rows) for v in self.values]
+
 
 def unsupported(model: nn.Module) -> Optional[str]:
     """Why the static loop cannot run ``model`` (then ``generate`` does), or None."""
@@ -103,8 +121,12 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
     return scores
 
 
-def sample_tokens(probs: torch.Tensor) -> torch.Tensor:
+def sample_tokens(probs: torch.Tensor, rows: Optional[torch.Tensor] = None, total: int = 0) -> torch.Tensor:
     """One token per row of (B, V) probabilities -> (B,) long, drawn from the global generator of their device.
+
+    ``rows`` (B,) long: which of ``total`` rows these are (None: all of them). The noise is then drawn for
+    all ``total`` rows and each row takes its own, so a row draws the same token whether or not the rows
+    that stopped before it are still in the batch.
 
     The exponential race ``torch.multinomial(probs, 1)`` runs: argmax_i p_i / E_i with E_i ~ Exp(1) picks
     token i with probability p_i. The noise is drawn as -log(U), U uniform in [0, 1) raised to the smallest
@@ -115,8 +137,10 @@ def sample_tokens(probs: torch.Tensor) -> torch.Tensor:
     151,936), against 0.2 / 1.6-2.2 ms for this: at 64 rows of the tiny model, sampling cost as much as a
     decoding step's forward.
     """
-    noise = torch.rand_like(probs).clamp_min_(torch.finfo(probs.dtype).tiny).log_().neg_()  # (B, V) Exp(1), > 0
-    return (probs / noise).argmax(dim=-1)
+    shape = probs.shape if rows is None else (total, probs.shape[-1])
+    noise = torch.rand(shape, dtype=probs.dtype, device=probs.device)
+    noise = noise.clamp_min_(torch.finfo(probs.dtype).tiny).log_().neg_()  # Exp(1), > 0
+    return (probs / (noise if rows is None else noise[rows])).argmax(dim=-1)
 
 
 def _prefill_mask(keep: torch.Tensor) -> torch.Tensor:
@@ -160,20 +184,60 @@ class _DecodeStep:
         self.capture_failed = self.replay is None
         return logits
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` of the step's inputs (eager steps only: a captured graph holds the old buffers)."""
+        assert self.replay is None, "a captured decode step cannot change its batch"
+        self.ids, self.position_ids, self.mask = self.ids[rows], self.position_ids[rows], self.mask[rows]
+
     def release(self) -> None:
         self.replay = None
+
+
+class _Rows:
+    """Which output rows the decode batch's rows are, and when the stopped ones leave it.
+
+    Rows that stopped at eos still cost a full row of every later step's forward. Without graphs
+    (``shrink``), once at most half the rows in the batch are still running, the stopped ones leave: the
+    cache, mask and inputs keep the running rows only. Each shrink copies the cache once, and halving bounds
+    the copies at log2 of the rows. With graphs the batch keeps its shape (the graph holds its buffers).
+    """
+
+    def __init__(self, shrink: bool) -> None:
+        self.shrink = shrink
+        self.index: Optional[torch.Tensor] = None  # (R',) long: batch row -> output row; None: the identity
+
+    def should_shrink(self, running: torch.Tensor) -> bool:
+        if not self.shrink:
+            return False
+        count = int(running.sum())
+        return 0 < count <= running.shape[0] // 2
+
+    def select(self, kept: torch.Tensor) -> None:
+        self.index = kept if self.index is None else self.index[kept]
+
+    def write(self, out: torch.Tensor, t: int, values: torch.Tensor) -> None:
+        """``out[:, t]`` (output rows) <- ``values`` (batch rows)."""
+        if self.index is None:
+            out[:, t] = values
+        else:
+            out[self.index, t] = values
 
 
 @torch.no_grad()
 def static_generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig, *,
                     pad_token_id: int, eos_token_ids: Sequence[int], graphs: Optional[Device] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Sample up to T tokens after left-padded (B, P) prompts. Returns (tokens (B, T'), log-probs (B, T') | None).
+    """Sample ``sampling.n`` responses of up to T tokens to each left-padded (B, P) prompt.
 
-    Tokens after a row's eos are ``pad_token_id``; log-probs are those of the processed scores (see
-    :func:`process_logits`), as ``generate`` with ``output_scores`` gives them. ``graphs``: the device whose
-    graphs replay the decode step (None: every step eager).
+    Returns (tokens (B*n, T'), log-probs (B*n, T') | None), prompt i -> rows i*n .. i*n+n-1. Tokens after a
+    row's eos are ``pad_token_id``; log-probs are those of the processed scores (see :func:`process_logits`),
+    as ``generate`` with ``output_scores`` gives them. ``graphs``: the device whose graphs replay the decode
+    step (None: every step eager). The B prompts are prefilled once and their cache copied to their n rows.
+    Without graphs, rows that have stopped leave the batch (see :class:`_Rows`); the random draws are those
+    of the whole batch every step, so the tokens do not depend on when rows leave.
     """
+    n = sampling.n
     b, p = ids.shape
+    rows = b * n
     steps = sampling.max_new_tokens
     length = p + steps
     device = ids.device
@@ -185,33 +249,43 @@ def static_generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, sam
     last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     out = model(input_ids=ids, attention_mask=_prefill_mask(keep), position_ids=position_ids,
                 past_key_values=cache, use_cache=True, **last_only)
-    logits = out.logits[:, -1].float()  # (B, V)
+    logits = out.logits[:, -1].float().repeat_interleave(n, dim=0)  # (B*n, V)
     del out
+    if n > 1:
+        cache.repeat_rows(n)
+        keep, position_ids = keep.repeat_interleave(n, dim=0), position_ids.repeat_interleave(n, dim=0)
     cache.visible = length
     step = _DecodeStep(model, cache, keep, length)
-    next_position = position_ids[:, -1:] + 1  # (B, 1): prompts are left-padded, so the last column is real
+    next_position = position_ids[:, -1:] + 1  # (B*n, 1): prompts are left-padded, so the last column is real
     eos = torch.tensor(list(eos_token_ids) if not sampling.ignore_eos else [], dtype=torch.long, device=device)
-    tokens = torch.full((b, steps), pad_token_id, dtype=torch.long, device=device)  # (B, T)
-    logp = torch.zeros(b, steps, dtype=torch.float32, device=device) if sampling.return_logprobs else None
-    running = torch.ones(b, dtype=torch.bool, device=device)  # (B,)
+    tokens = torch.full((rows, steps), pad_token_id, dtype=torch.long, device=device)  # (B*n, T)
+    logp = torch.zeros(rows, steps, dtype=torch.float32, device=device) if sampling.return_logprobs else None
+    live = _Rows(shrink=graphs is None)  # which output rows the batch's rows are
+    running = torch.ones(rows, dtype=torch.bool, device=device)  # (R,) over the rows in the batch
     check_every = 1 if device.type == "cpu" else DEVICE_CHECK_EVERY
     done = steps
     try:
         for t in range(steps):
-            scores = process_logits(logits, sampling)  # (B, V)
+            scores = process_logits(logits, sampling)  # (R, V)
             if sampling.greedy:
                 token = torch.argmax(scores, dim=-1)
             else:
-                token = sample_tokens(torch.softmax(scores, dim=-1))
-            token = torch.where(running, token, pad_token_id)  # (B,)
-            tokens[:, t] = token
+                token = sample_tokens(torch.softmax(scores, dim=-1), live.index, rows)
+            token = torch.where(running, token, pad_token_id)  # (R,)
+            live.write(tokens, t, token)
             if logp is not None:
-                logp[:, t] = torch.log_softmax(scores, dim=-1).gather(-1, token[:, None])[:, 0]
+                live.write(logp, t, torch.log_softmax(scores, dim=-1).gather(-1, token[:, None])[:, 0])
             if eos.numel():
                 running &= ~torch.isin(token, eos)
             if t + 1 == steps or ((t + 1) % check_every == 0 and not bool(running.any())):
                 done = t + 1
                 break
+            if (t + 1) % check_every == 0 and live.should_shrink(running):
+                kept = running.nonzero()[:, 0]  # (R',) the running rows, in batch order
+                live.select(kept)
+                cache.select_rows(kept)
+                step.select_rows(kept)
+                next_position, running, token = next_position[kept], running[kept], token[kept]
             step.ids.copy_(token[:, None])
             step.position_ids.copy_(next_position + t)
             step.slot.fill_(p + t)

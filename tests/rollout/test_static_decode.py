@@ -70,9 +70,21 @@ def test_rows_stop_at_eos_as_in_generate(tiny_hf, tiny_tokenizer, prompt_batch, 
     model.load_state_dict(ref.eos_heavy_weights(tiny_hf, eos))
     ids, mask = prompt_batch
     sampling = SamplingConfig(n=8, max_new_tokens=16, seed=0, return_logprobs=True)
-    static, reference = both_paths(model, tiny_tokenizer, ids, mask, sampling, monkeypatch)
+    batch_rows = []  # rows of every forward the loop runs: the prefill's, then each decode step's
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: batch_rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        static, reference = both_paths(model, tiny_tokenizer, ids, mask, sampling, monkeypatch)
+    finally:
+        handle.remove()
     assert_same(static, reference)
     assert {"stop", "length"} <= set(static.stop_reason)
+    # the loop's forwards come first (both_paths runs it before generate): one prefill of the B prompts,
+    # then decode steps over all B*8 rows until at most half run, fewer rows after (stopped rows left)
+    rows = ids.shape[0] * 8
+    steps = batch_rows[: 1 + static.response_ids.shape[1] - 1]
+    assert steps[0] == ids.shape[0] and steps[1] == rows
+    assert steps[-1] < rows and steps[1:] == sorted(steps[1:], reverse=True)
     ref.check_stop_contract(static, eos=eos, pad=tiny_tokenizer.pad_token_id, max_new_tokens=16, rows=ids.shape[0] * 8)
 
 
@@ -133,6 +145,29 @@ def test_sample_tokens_draws_each_token_with_its_probability():
     assert torch.equal(again, sample_tokens(probs[:1].expand(64, 5)))  # the global generator decides
 
 
+def test_a_row_draws_the_same_token_with_or_without_the_rows_that_left():
+    probs = torch.softmax(torch.randn(6, 40, generator=torch.Generator().manual_seed(1)), dim=-1)
+    torch.manual_seed(3)
+    full = sample_tokens(probs)
+    rows = torch.tensor([1, 4, 5])
+    torch.manual_seed(3)
+    assert torch.equal(sample_tokens(probs[rows], rows, 6), full[rows])
+    after = torch.rand(2)  # the generator moved by one draw per (row, token) of all 6 rows, as for `full`
+    torch.manual_seed(3)
+    assert torch.equal(torch.rand(6 * 40 + 2)[-2:], after)
+
+
+def test_static_kv_repeats_and_selects_rows():
+    cache = StaticKV(length=4)
+    cache.positions = torch.arange(2)
+    k = torch.randn(2, 1, 2, 3)
+    cache.update(k, -k, 0)
+    cache.repeat_rows(3)  # prompt i -> rows 3i .. 3i+2
+    assert cache.keys[0].shape == (6, 1, 4, 3) and torch.equal(cache.keys[0][4, :, :2], k[1])
+    cache.select_rows(torch.tensor([0, 5]))
+    assert torch.equal(cache.keys[0][:, :, :2], k) and torch.equal(cache.values[0][:, :, :2], -k)
+
+
 def test_static_kv_writes_at_the_given_slots():
     cache = StaticKV(length=6)
     cache.positions = torch.arange(3)
@@ -185,7 +220,8 @@ def test_cuda_graph_replay_matches_eager_steps(tiny_model_path, tiny_tokenizer, 
 
 
 def test_prefill_mask_covers_the_prompt_only(tiny_hf, tiny_tokenizer, prompt_batch):
-    """The prefill's mask is (B, 1, P, P) as generate's, not (B, 1, P, P + T): memory of long responses."""
+    """The prefill's mask is (B, 1, P, P) as generate's, not (B, 1, P, P + T): memory of long responses; and
+    the prefill runs once per prompt (B rows), the decode steps over its n samples (B * n rows)."""
     shapes = []
     handle = tiny_hf.register_forward_pre_hook(
         lambda module, args, kwargs: shapes.append(tuple(kwargs["attention_mask"].shape)), with_kwargs=True)
@@ -196,7 +232,7 @@ def test_prefill_mask_covers_the_prompt_only(tiny_hf, tiny_tokenizer, prompt_bat
     finally:
         handle.remove()
     rows, width = ids.shape[0] * 2, int(mask.sum(dim=1).max())
-    assert shapes[0] == (rows, 1, width, width)
+    assert shapes[0] == (ids.shape[0], 1, width, width)
     assert shapes[1:] == [(rows, 1, 1, width + 5)] * 4
 
 
