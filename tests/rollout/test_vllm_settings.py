@@ -8,6 +8,7 @@ from grpo_npu.config import RolloutConfig
 from grpo_npu.device import Device
 from grpo_npu.rollout import build_rollout, training_sampling, validation_sampling
 from grpo_npu.rollout.vllm_settings import (
+    CPU_BLOCK_SIZE,
     CPU_KV_CACHE_BYTES,
     check_expandable_segments,
     default_sleep_level,
@@ -74,6 +75,8 @@ def test_engine_kwargs_on_cpu():
     assert kw["load_format"] == "dummy"
     assert kw["max_model_len"] == 128
     assert kw["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES
+    assert kw["block_size"] == CPU_BLOCK_SIZE == 32  # prefix caching shares a short prompt's prefill
+    assert kw["enable_prefix_caching"] is True
     assert kw["logprobs_mode"] == "processed_logprobs"
     assert kw["enable_sleep_mode"] is False
 
@@ -82,7 +85,7 @@ def test_engine_kwargs_on_accelerators_use_external_launcher_for_tp():
     kw = _kwargs("npu", tensor_model_parallel_size=4, dtype="bf16", gpu_memory_utilization=0.6)
     assert kw["tensor_parallel_size"] == 4 and kw["distributed_executor_backend"] == "external_launcher"
     assert kw["dtype"] == "bfloat16" and kw["gpu_memory_utilization"] == 0.6 and kw["enable_sleep_mode"] is True
-    assert "kv_cache_memory_bytes" not in kw
+    assert "kv_cache_memory_bytes" not in kw and "block_size" not in kw  # the engine's own choice there
     assert "distributed_executor_backend" not in _kwargs("cuda", tensor_model_parallel_size=1)
 
 
@@ -94,8 +97,8 @@ def test_enforce_eager_auto_captures_graphs_on_cuda_only(device_kind, auto):
 
 
 def test_engine_kwargs_user_overrides_and_bad_lengths():
-    kw = _kwargs("cpu", engine_kwargs={"vllm": {"kv_cache_memory_bytes": 123, "swap_space": 4}})
-    assert kw["kv_cache_memory_bytes"] == 123 and kw["swap_space"] == 4
+    kw = _kwargs("cpu", engine_kwargs={"vllm": {"kv_cache_memory_bytes": 123, "swap_space": 4, "block_size": 128}})
+    assert kw["kv_cache_memory_bytes"] == 123 and kw["swap_space"] == 4 and kw["block_size"] == 128
     with pytest.raises(ValueError, match="max_model_len=64"):
         _kwargs("cpu", max_model_len=64)
     with pytest.raises(ValueError, match="enable_chunked_prefill=False"):
