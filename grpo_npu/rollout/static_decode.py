@@ -206,11 +206,8 @@ class _Rows:
         self.shrink = shrink
         self.index: Optional[torch.Tensor] = None  # (R',) long: batch row -> output row; None: the identity
 
-    def should_shrink(self, running: torch.Tensor) -> bool:
-        if not self.shrink:
-            return False
-        count = int(running.sum())
-        return 0 < count <= running.shape[0] // 2
+    def should_shrink(self, running_rows: int, batch_rows: int) -> bool:
+        return self.shrink and running_rows <= batch_rows // 2
 
     def select(self, kept: torch.Tensor) -> None:
         self.index = kept if self.index is None else self.index[kept]
@@ -277,10 +274,11 @@ def static_generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, sam
                 live.write(logp, t, torch.log_softmax(scores, dim=-1).gather(-1, token[:, None])[:, 0])
             if eos.numel():
                 running &= ~torch.isin(token, eos)
-            if t + 1 == steps or ((t + 1) % check_every == 0 and not bool(running.any())):
+            running_rows = int(running.sum()) if (t + 1) % check_every == 0 else -1  # -1: not checked now
+            if t + 1 == steps or running_rows == 0:
                 done = t + 1
                 break
-            if (t + 1) % check_every == 0 and live.should_shrink(running):
+            if running_rows > 0 and live.should_shrink(running_rows, running.shape[0]):
                 kept = running.nonzero()[:, 0]  # (R',) the running rows, in batch order
                 live.select(kept)
                 cache.select_rows(kept)
