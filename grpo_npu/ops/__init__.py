@@ -4,7 +4,7 @@ Ops (module -> NPU kernel):
     rms_norm.rms_norm            torch_npu.npu_rms_norm (torch's fused rms_norm on CUDA)
     rotary.apply_rotary          torch_npu.npu_rotary_mul (a roll + addcmul form on CUDA: fewer launches)
     swiglu.swiglu / gated_mlp    torch_npu.npu_swiglu
-    attention.attention          torch_npu.npu_fusion_attention
+    attention.attention          torch_npu.npu_fusion_attention (torch's flash varlen kernel for packed batches on CUDA)
     logprob.logprobs_from_logits torch_npu.npu_cross_entropy_loss (chunked; flash-attn CE on CUDA)
     logprob.linear_logprobs      chunked lm_head + log-softmax, logits never materialised in full
     linear.linear                (CPU) oneDNN's fp32 matmul with a hand-written backward; F.linear elsewhere

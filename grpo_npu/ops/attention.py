@@ -1,4 +1,5 @@
-"""Attention core (softmax(scale * q k^T, masked) v): ``torch_npu.npu_fusion_attention`` on Ascend.
+"""Attention core (softmax(scale * q k^T, masked) v): ``torch_npu.npu_fusion_attention`` on Ascend, torch's
+flash-attention varlen kernel for packed batches on CUDA.
 
 Two layouts, the flash-attention ones:
 - padded BSND: q (B, Sq, Nq, D), k/v (B, Skv, Nkv, D) -> (B, Sq, Nq, D);
@@ -15,11 +16,21 @@ it); varlen passes ``actual_seq_qlen``/``actual_seq_kvlen`` as host lists of cum
 without the leading 0 (lengths 2,2,2 -> [2, 4, 6]). A masked query row with no key to attend
 (left padding) returns zeros on every backend; the NPU branch never hands such a row to the kernel
 (the kernel constraints, with their sources: docs/npu.md).
+
+CUDA call (varlen only; padded batches stay torch SDPA, one call already): ``torch.nn.attention.varlen.varlen_attn``
+(torch >= 2.12, the first with a scale, a causal window and GQA): flash-attention's varlen kernel, one launch for
+the whole packed micro-batch where the reference launches SDPA once per segment in every layer. It takes device ``cu_seq_q``/``cu_seq_k`` (int32, with the leading 0),
+the longest segment of each, GQA as is, and ``window_size=(-1, 0)`` for causal, which flash-attention aligns
+bottom-right. It serves fp16/bf16 with a head dim that is a multiple of 8 up to 256, segments with at least as many
+keys as queries, after a one-time probe per device and dtype against the reference (forward and backward; a kernel
+that raises or disagrees is logged once and the reference serves). Everything else takes the reference.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import logging
 import math
 from collections.abc import Sequence
 
@@ -28,7 +39,27 @@ import torch.nn.functional as F
 
 from grpo_npu.ops import dispatch
 
-BACKEND = dispatch.register(dispatch.OpBackend("attention"))
+log = logging.getLogger(__name__)
+
+
+_VARLEN_KEYWORDS = ("scale", "window_size", "enable_gqa")  # varlen_attn's keywords from torch 2.12 (2.10 had none)
+
+
+@functools.cache
+def varlen_kernel():
+    """torch's flash-attention varlen function (``torch.nn.attention.varlen.varlen_attn``) where it takes a scale, a
+    causal window and GQA (torch >= 2.12), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    parameters = inspect.signature(varlen_attn).parameters
+    return varlen_attn if all(name in parameters for name in _VARLEN_KEYWORDS) else None
+
+
+BACKEND = dispatch.register(dispatch.OpBackend(
+    "attention", ("npu", "cuda", "reference"), dispatch.auto_npu_cuda_or_reference(lambda: varlen_kernel() is not None),
+))
 
 # sparse_mode 2/3 read a fixed-size upper-triangular mask and expand it to any (Sq, Skv).
 COMPRESSED_MASK_SIZE = 2048
@@ -39,7 +70,7 @@ CACHED_MASK_ELEMENTS = 64 * 1024  # causal masks up to this size are kept (at mo
 
 
 def set_backend(name: str | None) -> None:
-    """Force 'npu' | 'reference' for attention (None: automatic)."""
+    """Force 'npu' | 'cuda' | 'reference' for attention (None: automatic)."""
     BACKEND.set(name)
 
 
@@ -49,9 +80,26 @@ def cu_seqlens_from_lengths(lengths: Sequence[int] | torch.Tensor) -> torch.Tens
     return F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
 
+_recent_offsets: list[tuple[torch.Tensor, int, list[int]]] = []  # (cu_seqlens tensor, its version, its host list)
+
+
+def _host_offsets(cu_seqlens: Sequence[int] | torch.Tensor) -> list[int]:
+    """cu_seqlens as a host list. Every layer of a forward passes the same one or two tensors (queries, keys): their
+    lists are kept for the next calls, so accelerator tensors are read back (a device sync) once per forward, not
+    once per layer."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        return [int(x) for x in cu_seqlens]
+    for tensor, version, offsets in _recent_offsets:
+        if tensor is cu_seqlens and version == cu_seqlens._version:
+            return offsets
+    offsets = [int(x) for x in cu_seqlens.tolist()]
+    _recent_offsets[:] = [(cu_seqlens, cu_seqlens._version, offsets), *_recent_offsets[:1]]
+    return offsets
+
+
 def _offsets(cu_seqlens: Sequence[int] | torch.Tensor, total: int, name: str) -> list[int]:
     """Validated host list of cumulative offsets [0, ..., total]."""
-    offsets = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    offsets = _host_offsets(cu_seqlens)
     if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != total:
         raise ValueError(f"attention: {name} must run from 0 to the token count {total}, got {offsets}")
     if any(b < a for a, b in zip(offsets, offsets[1:])):
@@ -171,6 +219,80 @@ def _attention_npu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     return out
 
 
+_CUDA_VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+_CUDA_VARLEN_MAX_HEAD_DIM = 256
+_cuda_varlen_probed: dict[tuple[torch.device, torch.dtype], bool] = {}
+
+
+def _cuda_varlen_fits(q: torch.Tensor, k: torch.Tensor, q_offsets: list[int], k_offsets: list[int]) -> bool:
+    """The flash varlen kernel computes this call as the reference does (module docstring)."""
+    d = q.shape[-1]
+    if q.dtype not in _CUDA_VARLEN_DTYPES or k.dtype != q.dtype or d % 8 or d > _CUDA_VARLEN_MAX_HEAD_DIM:
+        return False
+    segments = zip(q_offsets, q_offsets[1:], k_offsets, k_offsets[1:])
+    # Every segment has queries, and keys for each of them (else rows without a key: the reference's zeros).
+    if any(qe == qs or qe - qs > ke - ks for qs, qe, ks, ke in segments):
+        return False
+    return _cuda_varlen_works(q.device, q.dtype)
+
+
+def _cuda_varlen_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernel passed its probe on this device and dtype (run on the first call, logged when it fails)."""
+    key = (device, dtype)
+    if key not in _cuda_varlen_probed:
+        try:
+            with torch.inference_mode(False), torch.enable_grad():  # the first call may come from a no-grad pass
+                reason = _cuda_varlen_disagreement(device, dtype)
+        except (RuntimeError, TypeError, ValueError) as exc:  # no kernel for this GPU, or another signature
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if reason is not None:
+            log.warning("attention: torch's flash varlen kernel is not used on %s %s (%s); packed batches attend "
+                        "one segment at a time", device, dtype, reason)
+        _cuda_varlen_probed[key] = reason is None
+    return _cuda_varlen_probed[key]
+
+
+def _cuda_varlen_disagreement(device: torch.device, dtype: torch.dtype) -> str | None:
+    """The kernel's output and gradients against the reference's on GQA, causal, Sq < Skv segments: None when they
+    agree within a rounding of ``dtype``, else what differs."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    lengths_q, lengths_k = [5, 3, 9], [5, 7, 9]
+    q_off, k_off = (cu_seqlens_from_lengths(x).tolist() for x in (lengths_q, lengths_k))
+    q = torch.randn(sum(lengths_q), 4, 64, generator=gen, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(sum(lengths_k), 2, 64, generator=gen, device=device, dtype=dtype, requires_grad=True)
+            for _ in range(2))
+    got = _attention_cuda_varlen(q, k, v, causal=True, q_offsets=q_off, k_offsets=k_off, scale=0.125)
+    want = attention_reference(q, k, v, causal=True, attn_mask=None, q_offsets=q_off, k_offsets=k_off, scale=0.125)
+    grad = torch.randn(got.shape, generator=gen, device=device, dtype=dtype)
+    pairs = zip(("output", "dq", "dk", "dv"), (got, *torch.autograd.grad(got, (q, k, v), grad)),
+                (want, *torch.autograd.grad(want, (q, k, v), grad)))
+    bad = [name for name, a, b in pairs if not torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)]
+    return f"its {', '.join(bad)} disagree with the reference" if bad else None
+
+
+def _device_offsets(given: Sequence[int] | torch.Tensor | None, offsets: list[int],
+                    device: torch.device) -> torch.Tensor:
+    """The int32 offsets on ``device``: the caller's tensor when it is one already (no copy), else a new one."""
+    if isinstance(given, torch.Tensor) and given.device == device and given.dtype == torch.int32 and given.dim() == 1:
+        return given
+    return torch.tensor(offsets, dtype=torch.int32, device=device)
+
+
+def _attention_cuda_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, q_offsets: list[int],
+                           k_offsets: list[int], scale: float, cu_seqlens=None, cu_seqlens_k=None) -> torch.Tensor:
+    kernel = varlen_kernel()
+    if kernel is None:
+        raise RuntimeError("this torch has no torch.nn.attention.varlen.varlen_attn with scale/window_size/enable_gqa "
+                           "(torch >= 2.12)")
+    cu_q = _device_offsets(cu_seqlens, q_offsets, q.device)
+    same = cu_seqlens_k is None and k_offsets == q_offsets
+    cu_k = cu_q if same else _device_offsets(cu_seqlens_k, k_offsets, q.device)
+    max_q = max(b - a for a, b in zip(q_offsets, q_offsets[1:]))
+    max_k = max(b - a for a, b in zip(k_offsets, k_offsets[1:]))
+    return kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0) if causal else (-1, -1),
+                  enable_gqa=q.shape[1] != k.shape[1])
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -213,5 +335,12 @@ def attention(
         if len(k_offsets) != len(q_offsets):
             raise ValueError(f"attention: cu_seqlens has {len(q_offsets)} entries, cu_seqlens_k {len(k_offsets)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    impl = _attention_npu if BACKEND.pick(q) == "npu" else attention_reference
+    backend = BACKEND.pick(q)
+    if backend == "npu":
+        impl = _attention_npu
+    elif backend == "cuda" and varlen and _cuda_varlen_fits(q, k, q_offsets, k_offsets):
+        return _attention_cuda_varlen(q, k, v, causal=causal, q_offsets=q_offsets, k_offsets=k_offsets, scale=scale,
+                                      cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k)
+    else:
+        impl = attention_reference
     return impl(q, k, v, causal=causal, attn_mask=attn_mask, q_offsets=q_offsets, k_offsets=k_offsets, scale=scale)
