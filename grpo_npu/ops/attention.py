@@ -18,7 +18,8 @@ without the leading 0 (lengths 2,2,2 -> [2, 4, 6]). A masked query row with no k
 (the kernel constraints, with their sources: docs/npu.md).
 
 CUDA call (varlen only; padded batches stay torch SDPA, one call already): ``torch.nn.attention.varlen.varlen_attn``
-(torch >= 2.12, the first with a scale, a causal window and GQA): flash-attention's varlen kernel, one launch for
+(torch >= 2.11, the first with ``scale`` and ``window_size``; 2.12 adds ``enable_gqa``, passed where it exists):
+flash-attention's varlen kernel, one launch for
 the whole packed micro-batch where the reference launches SDPA once per segment in every layer. It takes device ``cu_seq_q``/``cu_seq_k`` (int32, with the leading 0),
 the longest segment of each, GQA as is, and ``window_size=(-1, 0)`` for causal, which flash-attention aligns
 bottom-right. It serves fp16/bf16 with a head dim that is a multiple of 8 up to 256, segments with at least as many
@@ -42,19 +43,26 @@ from grpo_npu.ops import dispatch
 log = logging.getLogger(__name__)
 
 
-_VARLEN_KEYWORDS = ("scale", "window_size", "enable_gqa")  # varlen_attn's keywords from torch 2.12 (2.10 had none)
+_VARLEN_KEYWORDS = ("scale", "window_size")  # varlen_attn's keywords from torch 2.11 (2.10's took neither)
 
 
 @functools.cache
 def varlen_kernel():
-    """torch's flash-attention varlen function (``torch.nn.attention.varlen.varlen_attn``) where it takes a scale, a
-    causal window and GQA (torch >= 2.12), else None."""
+    """torch's flash-attention varlen function (``torch.nn.attention.varlen.varlen_attn``) where it takes a scale and a
+    causal window (torch >= 2.11), else None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     parameters = inspect.signature(varlen_attn).parameters
     return varlen_attn if all(name in parameters for name in _VARLEN_KEYWORDS) else None
+
+
+@functools.cache
+def _takes_enable_gqa(kernel) -> bool:
+    """varlen_attn grew ``enable_gqa`` in torch 2.12 (and refuses fewer kv heads without it); 2.11 has no such
+    keyword and hands the heads to flash-attention as they are."""
+    return "enable_gqa" in inspect.signature(kernel).parameters
 
 
 BACKEND = dispatch.register(dispatch.OpBackend(
@@ -282,15 +290,15 @@ def _attention_cuda_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                            k_offsets: list[int], scale: float, cu_seqlens=None, cu_seqlens_k=None) -> torch.Tensor:
     kernel = varlen_kernel()
     if kernel is None:
-        raise RuntimeError("this torch has no torch.nn.attention.varlen.varlen_attn with scale/window_size/enable_gqa "
-                           "(torch >= 2.12)")
+        raise RuntimeError("this torch has no torch.nn.attention.varlen.varlen_attn with scale/window_size "
+                           "(torch >= 2.11)")
     cu_q = _device_offsets(cu_seqlens, q_offsets, q.device)
     same = cu_seqlens_k is None and k_offsets == q_offsets
     cu_k = cu_q if same else _device_offsets(cu_seqlens_k, k_offsets, q.device)
     max_q = max(b - a for a, b in zip(q_offsets, q_offsets[1:]))
     max_k = max(b - a for a, b in zip(k_offsets, k_offsets[1:]))
-    return kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0) if causal else (-1, -1),
-                  enable_gqa=q.shape[1] != k.shape[1])
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] and _takes_enable_gqa(kernel) else {}
+    return kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0) if causal else (-1, -1), **gqa)
 
 
 def attention(

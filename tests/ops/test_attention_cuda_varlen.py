@@ -134,13 +134,30 @@ def test_host_offsets_are_read_once_per_tensor_and_again_after_a_change():
     assert op._host_offsets([0, 1]) == [0, 1]
 
 
+def test_a_kernel_without_enable_gqa_gets_the_heads_as_they_are(monkeypatch):
+    """torch 2.11's varlen_attn (return_aux, scale, window_size) has no enable_gqa: GQA goes to flash-attention as is."""
+    seen = []
+
+    def kernel_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        seen.append(dict(scale=scale, window_size=window_size))
+        return op.attention_reference(q, k, v, causal=window_size == (-1, 0), attn_mask=None,
+                                      q_offsets=cu_q.tolist(), k_offsets=cu_k.tolist(), scale=scale)
+
+    monkeypatch.setattr(op, "varlen_kernel", lambda: kernel_2_11)
+    monkeypatch.setattr(op, "_cuda_varlen_probed", {})
+    q, k, v, cu_q, cu_k = _inputs(SEGMENTS)
+    with dispatch.use_backend("cuda", ("attention",)):
+        op.attention(q, k, v, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
+    assert seen == [dict(scale=0.125, window_size=(-1, 0)), dict(scale=0.125, window_size=(-1, 0))]  # probe, call
+
+
 def test_varlen_kernel_needs_the_keyword_signature(monkeypatch):
     import torch.nn.attention.varlen as varlen_module
 
     op.varlen_kernel.cache_clear()
     try:
         monkeypatch.setattr(varlen_module, "varlen_attn", lambda q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False: q)
-        assert op.varlen_kernel() is None  # torch 2.10's form: no scale, window or GQA
+        assert op.varlen_kernel() is None  # torch 2.10's form: no scale or window
     finally:
         op.varlen_kernel.cache_clear()
 
