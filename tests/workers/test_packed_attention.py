@@ -117,3 +117,38 @@ def test_cuda_flash_attention_2_packed_equals_padded(tiny_model_path):
                                  position_ids=inputs.position_ids, use_cache=False, **inputs.packed_kwargs)
         outs[packed] = hidden.last_hidden_state.reshape(-1, hidden.last_hidden_state.shape[-1])[inputs.predict_index]
     torch.testing.assert_close(outs[True].float(), outs[False].float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("share_prefix", [False, True])
+def test_cuda_grpo_npu_attention_packed_equals_padded(tiny_model_path, share_prefix):
+    """The grpo_npu attention on CUDA: packed and shared-prompt micro-batches go through torch's flash varlen kernel
+    (one call per layer, ops/attention.py) and give the padded path's hidden states and gradients."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_npu import device
+    from grpo_npu.ops import attention as attention_op
+    from grpo_npu.ops import patch_model
+
+    if attention_op.varlen_kernel() is None:
+        pytest.skip("this torch has no varlen_attn with scale/window_size (torch >= 2.11)")
+    dev = device.get_device("cuda").torch_device()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16).to(dev)
+    patch_model(model, ops=("attention",))
+    base = make_batch(seed=1, empty_row=None)
+    half = len(base) // 2  # half the prompts, each twice: shared-prompt packing has prompts to share
+    batch = base.replace(prompt_ids=base.prompt_ids[:half].repeat(2, 1), prompt_mask=base.prompt_mask[:half].repeat(2, 1))
+    batch = batch.to(dev)
+    outs, grads = {}, {}
+    for mode in ("padded", "packed"):
+        inputs = build_inputs(batch, mode == "packed", share_prefix and mode == "packed")
+        model.zero_grad()
+        hidden = model.model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                             position_ids=inputs.position_ids, use_cache=False, **inputs.packed_kwargs)
+        flat = hidden.last_hidden_state.reshape(-1, hidden.last_hidden_state.shape[-1])[inputs.predict_index]
+        flat.float().square().mean().backward()
+        outs[mode] = flat.detach().float()
+        grads[mode] = model.model.layers[0].self_attn.q_proj.weight.grad.float().clone()
+    torch.testing.assert_close(outs["packed"], outs["padded"], atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(grads["packed"], grads["padded"], atol=3e-2, rtol=5e-2)
+    assert attention_op._cuda_varlen_probed.get((outs["packed"].device, torch.bfloat16)) is True
