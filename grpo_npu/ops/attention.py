@@ -19,12 +19,12 @@ without the leading 0 (lengths 2,2,2 -> [2, 4, 6]). A masked query row with no k
 
 CUDA call (varlen only; padded batches stay torch SDPA, one call already): ``torch.nn.attention.varlen.varlen_attn``
 (torch >= 2.11, the first with ``scale`` and ``window_size``; 2.12 adds ``enable_gqa``, passed where it exists):
-flash-attention's varlen kernel, one launch for
-the whole packed micro-batch where the reference launches SDPA once per segment in every layer. It takes device ``cu_seq_q``/``cu_seq_k`` (int32, with the leading 0),
-the longest segment of each, GQA as is, and ``window_size=(-1, 0)`` for causal, which flash-attention aligns
-bottom-right. It serves fp16/bf16 with a head dim that is a multiple of 8 up to 256, segments with at least as many
-keys as queries, after a one-time probe per device and dtype against the reference (forward and backward; a kernel
-that raises or disagrees is logged once and the reference serves). Everything else takes the reference.
+flash-attention's varlen kernel, one launch for the whole packed micro-batch where the reference launches SDPA once
+per segment in every layer. It takes device ``cu_seq_q``/``cu_seq_k`` (int32, with the leading 0), the longest
+segment of each, GQA as is, and ``window_size=(-1, 0)`` for causal, which flash-attention aligns bottom-right. It
+serves fp16/bf16 with a head dim that is a multiple of 8 up to 256 and segments with at least as many keys as
+queries, after a one-time probe per device and dtype against the reference (forward and backward; a kernel that
+raises or disagrees is logged once and the reference serves). Everything else takes the reference.
 """
 
 from __future__ import annotations
