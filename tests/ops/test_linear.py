@@ -98,3 +98,29 @@ def test_automatic_backend_serves_cpu_tensors_only():
     assert dispatch.BACKEND_DEVICE["onednn"] == "cpu"
     with pytest.raises(ValueError, match="has no backend 'npu'"):
         linear_op.set_backend("npu")
+
+
+@needs_onednn
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "nothing_requires_grad"])
+def test_without_autograd_the_same_product_skips_the_function(mode, counted_mm, monkeypatch):
+    """Generation and the log-prob passes run without autograd: the same oneDNN call, bitwise the same output,
+    without the autograd Function around it."""
+    applied = []
+    real_apply = linear_op._OneDNNLinear.apply
+    monkeypatch.setattr(linear_op._OneDNNLinear, "apply", lambda *args: applied.append(1) or real_apply(*args))
+    gen = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(2, 5, 24, generator=gen), torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+    with dispatch.use_backend("onednn", ops=("linear",)):
+        with_grad = linear_op.linear(x, w.clone().requires_grad_(), b)
+        assert applied == [1]
+        if mode == "no_grad":
+            with torch.no_grad():
+                y = linear_op.linear(x, w.clone().requires_grad_(), b)
+        elif mode == "inference_mode":
+            with torch.inference_mode():
+                y = linear_op.linear(x, w, b)
+        else:
+            y = linear_op.linear(x, w, b)
+    assert applied == [1] and len(counted_mm) == 2  # one oneDNN product each, no Function the second time
+    assert y.grad_fn is None and y.shape == (2, 5, 40)
+    assert torch.equal(y, with_grad.detach())
