@@ -59,13 +59,20 @@ def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x as (M, K), x @ weight.T + bias shaped like x with N features): the forward product, with or without
+    autograd."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2, _mm(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
 class _OneDNNLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
+        x2, y = _forward(x, weight, bias)
         ctx.save_for_backward(x2, weight)
         ctx.x_shape, ctx.has_bias = x.shape, bias is not None
-        return _mm(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        return y
 
     @staticmethod
     @once_differentiable
@@ -109,5 +116,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                         (bias is not None and bias.requires_grad)):
             return _OneDNNLinear.apply(x, weight, bias)
-        return _mm(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+        return _forward(x, weight, bias)[1]
     return F.linear(x, weight, bias)
