@@ -24,7 +24,8 @@ per segment in every layer. It takes device ``cu_seq_q``/``cu_seq_k`` (int32, wi
 segment of each, GQA as is, and ``window_size=(-1, 0)`` for causal, which flash-attention aligns bottom-right. It
 serves fp16/bf16 with a head dim that is a multiple of 8 up to 256 and segments with at least as many keys as
 queries, after a one-time probe per device and dtype against the reference (forward and backward; a kernel that
-raises or disagrees is logged once and the reference serves). Everything else takes the reference.
+raises or disagrees is logged once and the reference serves). Everything else takes the reference
+(:mod:`grpo_npu.ops.attention_reference`: torch SDPA, per segment or per shared-prompt group).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ import torch
 import torch.nn.functional as F
 
 from grpo_npu.ops import dispatch
+from grpo_npu.ops.attention_reference import (
+    PrefixGroups,
+    attention_reference,
+    bottom_right_causal,
+    prefix_groups_attention,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +81,6 @@ COMPRESSED_MASK_SIZE = 2048
 SPARSE_MODE_DEFAULT_MASK = 0  # atten_mask used as given (or full attention when it is None)
 SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3  # bottom-right aligned causal, from the compressed mask
 _compressed_masks: dict[torch.device, torch.Tensor] = {}
-CACHED_MASK_ELEMENTS = 64 * 1024  # causal masks up to this size are kept (at most 1024 of them: <= 64 MiB)
 
 
 def set_backend(name: str | None) -> None:
@@ -115,73 +121,6 @@ def _offsets(cu_seqlens: Sequence[int] | torch.Tensor, total: int, name: str) ->
     return offsets
 
 
-def _cached_when_small(build):
-    """``build(sq, skv, ...)`` with results of at most CACHED_MASK_ELEMENTS elements cached (at most 1024 of them):
-    varlen attention asks for one mask per segment, in every layer. Never modify a result."""
-    cached = functools.lru_cache(maxsize=1024)(build)
-
-    @functools.wraps(build)
-    def get(sq: int, skv: int, *args):
-        return (cached if sq * skv <= CACHED_MASK_ELEMENTS else build)(sq, skv, *args)
-
-    return get
-
-
-@_cached_when_small
-def _bottom_right_causal(sq: int, skv: int, device: torch.device) -> torch.Tensor:
-    """(Sq, Skv) bool, True where query i may see key j (j <= i + Skv - Sq)."""
-    return torch.ones(sq, skv, dtype=torch.bool, device=device).tril(diagonal=skv - sq)
-
-
-@_cached_when_small
-def _causal_bias(sq: int, skv: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(Sq, Skv) additive mask of :func:`_bottom_right_causal`: 0 where seen, -inf elsewhere, the tensor torch SDPA
-    makes of a bool mask on every call (same values, so the same results)."""
-    keep = _bottom_right_causal(sq, skv, device)
-    return torch.zeros(sq, skv, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
-
-
-def _sdpa_bhsd(q, k, v, causal: bool, attn_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """torch SDPA on (B, N, S, D) with a bottom-right aligned ``causal`` -> (B, Nq, Sq, D)."""
-    sq, skv = q.shape[2], k.shape[2]
-    if causal and (attn_mask is not None or sq != skv):  # SDPA's is_causal is top-left aligned
-        if attn_mask is None:
-            attn_mask = _causal_bias(sq, skv, q.dtype, q.device)
-        else:
-            attn_mask = attn_mask & _bottom_right_causal(sq, skv, q.device)
-        causal = False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
-
-
-def _sdpa_bsnd(q, k, v, causal: bool, attn_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    out = _sdpa_bhsd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, attn_mask, scale)
-    return out.transpose(1, 2)  # (B, Sq, Nq, D)
-
-
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                        attn_mask: torch.Tensor | None, q_offsets: list[int] | None, k_offsets: list[int] | None,
-                        scale: float) -> torch.Tensor:
-    """torch SDPA per batch (padded) or per sequence (varlen)."""
-    if q_offsets is None:
-        return _sdpa_bsnd(q, k, v, causal, attn_mask, scale)
-    q_lens = [qe - qs for qs, qe in zip(q_offsets, q_offsets[1:])]
-    k_lens = [ke - ks for ks, ke in zip(k_offsets, k_offsets[1:])]
-    outs = []
-    # Heads first once, then split, not sliced: each segment is a (1, N, S, D) view with the strides SDPA saw when
-    # every segment was transposed on its own (the same results, a few view ops less per segment), and one backward
-    # node concatenates the segments' gradients, where a slice each would scatter its gradient into a zero tensor.
-    q_h, k_h, v_h = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (N, T, D)
-    for qs, q_seg, k_seg, v_seg in zip(q_offsets, q_h.split(q_lens, 1), k_h.split(k_lens, 1), v_h.split(k_lens, 1)):
-        if not q_seg.shape[1]:
-            continue
-        if not k_seg.shape[1]:
-            raise ValueError(f"attention: query tokens {qs}:{qs + q_seg.shape[1]} have no keys (empty kv segment)")
-        out = _sdpa_bhsd(q_seg.unsqueeze(0), k_seg.unsqueeze(0), v_seg.unsqueeze(0), causal, None, scale)
-        outs.append(out.squeeze(0).transpose(0, 1))  # (S, Nq, D); squeeze, not [0]: its backward is a view
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
 def _compressed_causal_mask(device: torch.device) -> torch.Tensor:
     mask = _compressed_masks.get(device)
     if mask is None:
@@ -207,7 +146,7 @@ def _attention_npu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         sq, skv = q.shape[1], k.shape[1]
         keep = attn_mask if attn_mask.dim() == 4 else attn_mask[None, None]  # (B|1, N|1, Sq|1, Skv)
         if causal:
-            keep = keep & _bottom_right_causal(sq, skv, q.device)
+            keep = keep & bottom_right_causal(sq, skv, q.device)
         # the kernel takes BNSS / B1SS / 11SS / SS: expand broadcast q/kv dims
         keep = keep.expand(keep.shape[0], keep.shape[1], sq, skv)
         # A query row with no key to attend (left padding) must not reach the kernel: its docs make
@@ -311,8 +250,16 @@ def attention(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     cu_seqlens_k: Sequence[int] | torch.Tensor | None = None,
     scale: float | None = None,
+    kv_index: torch.Tensor | None = None,
+    prefix_groups: PrefixGroups | None = None,
 ) -> torch.Tensor:
-    """Scaled dot-product attention in BSND (or TND with ``cu_seqlens``); see the module docstring."""
+    """Scaled dot-product attention in BSND (or TND with ``cu_seqlens``); see the module docstring.
+
+    ``kv_index`` (varlen only): k/v are packed tokens and segment i's keys are ``k[kv_index]`` between
+    ``cu_seqlens_k[i]`` and ``[i + 1]`` (shared-prompt packing). ``prefix_groups`` (with ``kv_index``, causal)
+    describes that layout as (prompt tokens, response tokens...) per group, so that the reference path may
+    attend a group in one masked call (:mod:`grpo_npu.ops.attention_reference`).
+    """
     varlen = cu_seqlens is not None
     token_dims = 3 if varlen else 4
     if q.dim() != token_dims or k.dim() != token_dims:
@@ -336,17 +283,29 @@ def attention(
             )
     if cu_seqlens_k is not None and not varlen:
         raise ValueError("attention: cu_seqlens_k needs cu_seqlens")
+    if kv_index is not None and (not varlen or kv_index.dim() != 1):
+        raise ValueError(f"attention: kv_index must be (Tk,) with cu_seqlens, got {tuple(kv_index.shape)}"
+                         f"{'' if varlen else ' without cu_seqlens'}")
+    if prefix_groups is not None and (kv_index is None or not causal):
+        raise ValueError("attention: prefix_groups needs kv_index and causal=True (shared-prompt packing)")
     q_offsets = k_offsets = None
     if varlen:
         q_offsets = _offsets(cu_seqlens, q.shape[0], "cu_seqlens")
-        k_offsets = _offsets(cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+        k_total = k.shape[0] if kv_index is None else kv_index.shape[0]
+        k_offsets = _offsets(cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, k_total, "cu_seqlens_k")
         if len(k_offsets) != len(q_offsets):
             raise ValueError(f"attention: cu_seqlens has {len(q_offsets)} entries, cu_seqlens_k {len(k_offsets)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     backend = BACKEND.pick(q)
+    cuda_varlen = backend == "cuda" and varlen and _cuda_varlen_fits(q, k, q_offsets, k_offsets)
+    if prefix_groups is not None and backend != "npu" and not cuda_varlen:
+        return prefix_groups_attention(q, k, v, kv_index=kv_index, groups=prefix_groups, q_offsets=q_offsets,
+                                       k_offsets=k_offsets, scale=scale)
+    if kv_index is not None:
+        k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
     if backend == "npu":
         impl = _attention_npu
-    elif backend == "cuda" and varlen and _cuda_varlen_fits(q, k, q_offsets, k_offsets):
+    elif cuda_varlen:
         return _attention_cuda_varlen(q, k, v, causal=causal, q_offsets=q_offsets, k_offsets=k_offsets, scale=scale,
                                       cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k)
     else:

@@ -28,8 +28,9 @@ Nothing happens at import time. Mechanism, per op, and why:
   flash-attn style ``cu_seq_lens_q``/``cu_seq_lens_k`` kwargs when the caller passes them, else with
   the segments where ``position_ids`` restart. Padded batches get a bool (B, 1, Sq, Skv) mask with
   True = attend. A ``kv_index`` kwarg (shared-prompt packing) gathers each query segment's
-  keys/values from the packed tokens first, so a response can attend to a prompt stored once for all
-  its siblings. The workers patch this op alone into every model that runs packed rows
+  keys/values from the packed tokens, so a response can attend to a prompt stored once for all
+  its siblings; a ``prefix_groups`` kwarg beside it lets the reference path attend a short group in one
+  masked call (:mod:`grpo_npu.ops.attention_reference`). The workers patch this op alone into every model that runs packed rows
   (``use_remove_padding``) or shared prompts, unless the model uses an implementation in
   :data:`VARLEN_ATTN_IMPLEMENTATIONS`, so that packed memory stays linear in the token count.
 """
@@ -213,10 +214,8 @@ def hf_attention_forward(
     if cu_q is not None:
         if q.shape[0] != 1:
             raise ValueError(f"cu_seq_lens_q needs packed input with batch size 1, got batch {q.shape[0]}")
-        k, v = k[0], v[0]  # (Tk, Nkv, D)
-        if kv_index is not None:
-            k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
-        out = attention_op.attention(q[0], k, v, causal=causal, cu_seqlens=cu_q, cu_seqlens_k=cu_k, scale=scaling)
+        out = attention_op.attention(q[0], k[0], v[0], causal=causal, cu_seqlens=cu_q, cu_seqlens_k=cu_k,
+                                     scale=scaling, kv_index=kv_index, prefix_groups=kwargs.get("prefix_groups"))
         return out[None], None
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:

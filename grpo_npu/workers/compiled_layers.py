@@ -43,7 +43,12 @@ class LayerForward:
         self.compiled = torch.compile(eager, dynamic=True)
 
     def __call__(self, *args, **kwargs):
-        return (self.eager if _eager else self.compiled)(*args, **kwargs)
+        if _eager:
+            return self.eager(*args, **kwargs)
+        # Shared-prompt packing's layout as Python ints: dynamo would guard on them and recompile for every
+        # micro-batch. Without it the attention gathers keys by kv_index and attends per segment (same results).
+        kwargs.pop("prefix_groups", None)
+        return self.compiled(*args, **kwargs)
 
 
 def compile_layers(layers: list[nn.Module]) -> None:

@@ -88,7 +88,9 @@ def shared_prefix_inputs(batch: RolloutBatch, valid: torch.Tensor, labels: torch
     prompt attends causally to itself; a response attends to its whole prompt and causally to itself.
     Response positions continue from the prompt's length, so every row sees exactly the tokens and
     positions of its own padded row, while the linear layers process a prompt shared by k rows once
-    instead of k times. Empty responses contribute no tokens. Needs the ``grpo_npu`` attention.
+    instead of k times. Empty responses contribute no tokens. ``prefix_groups`` describes the same layout per
+    prompt, (prompt tokens, its non-empty responses' tokens), for the attention's reference path. Needs the
+    ``grpo_npu`` attention.
     """
     device = batch.prompt_ids.device
     prompt_valid = batch.prompt_mask.bool()  # (b, P)
@@ -96,7 +98,7 @@ def shared_prefix_inputs(batch: RolloutBatch, valid: torch.Tensor, labels: torch
     groups: dict[tuple[int, ...], list[int]] = {}  # prompt tokens -> rows, in first-appearance order
     for row in range(len(batch)):
         groups.setdefault(tuple(batch.prompt_ids[row][prompt_valid[row]].tolist()), []).append(row)
-    ids, pos, kv_index, q_lens, k_lens = [], [], [], [], []
+    ids, pos, kv_index, q_lens, k_lens, prefix_groups = [], [], [], [], [], []
     last_prompt_token = [0] * len(batch)  # packed index of each row's last prompt token
     response_start = [0] * len(batch)  # packed index of each row's first response token
     cursor = 0
@@ -109,6 +111,7 @@ def shared_prefix_inputs(batch: RolloutBatch, valid: torch.Tensor, labels: torch
         q_lens.append(pl)
         k_lens.append(pl)
         cursor += pl
+        response_lens = []
         for row in rows:
             last_prompt_token[row], response_start[row] = int(prompt_span[-1]), cursor
             tl = resp_len[row]
@@ -119,13 +122,16 @@ def shared_prefix_inputs(batch: RolloutBatch, valid: torch.Tensor, labels: torch
             kv_index += [prompt_span, torch.arange(cursor, cursor + tl, device=device)]
             q_lens.append(tl)
             k_lens.append(pl + tl)
+            response_lens.append(tl)
             cursor += tl
+        prefix_groups.append((pl, tuple(response_lens)))
     rows, cols = valid.nonzero(as_tuple=True)
     first = torch.tensor(last_prompt_token, device=device)[rows]
     predict = torch.where(cols == 0, first, torch.tensor(response_start, device=device)[rows] + cols - 1)
     kwargs = {"cu_seq_lens_q": cu_seqlens_from_lengths(torch.tensor(q_lens, device=device)),
               "cu_seq_lens_k": cu_seqlens_from_lengths(torch.tensor(k_lens, device=device)),
-              "max_length_q": max(q_lens), "max_length_k": max(k_lens), "kv_index": torch.cat(kv_index)}
+              "max_length_q": max(q_lens), "max_length_k": max(k_lens), "kv_index": torch.cat(kv_index),
+              "prefix_groups": tuple(prefix_groups)}
     return ModelInputs(torch.cat(ids)[None], None, torch.cat(pos)[None], predict, labels, valid, kwargs)
 
 

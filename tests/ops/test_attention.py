@@ -125,23 +125,6 @@ def _sdpa_per_slice(q, k, v, causal, scale):
     return out.transpose(1, 2)
 
 
-def test_causal_bias_is_sdpas_own_conversion_of_the_bool_mask():
-    keep = _causal_keep(3, 5)
-    bias = op._causal_bias(3, 5, torch.float32, torch.device("cpu"))
-    assert bias is op._causal_bias(3, 5, torch.float32, torch.device("cpu"))
-    assert torch.equal(bias, torch.where(keep, 0.0, float("-inf")))
-
-
-def test_bottom_right_causal_masks_cached_only_when_small():
-    small = op._bottom_right_causal(3, 5, torch.device("cpu"))
-    assert small is op._bottom_right_causal(3, 5, torch.device("cpu"))
-    torch.testing.assert_close(small, _causal_keep(3, 5))
-    side = int(op.CACHED_MASK_ELEMENTS**0.5) + 1
-    big = op._bottom_right_causal(side, side, torch.device("cpu"))
-    assert big is not op._bottom_right_causal(side, side, torch.device("cpu"))
-    torch.testing.assert_close(big, _causal_keep(side, side))
-
-
 def _grads(out, inputs, g):
     return torch.autograd.grad(out, inputs, g)
 
