@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -129,23 +130,46 @@ def prefix_group_bias(prompt_len: int, response_lens: tuple[int, ...], dtype: to
     return torch.zeros(length, length, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
 
 
-class _GroupPlan:
-    """Per group of one layout: its token count, its segment count, and its mask when one call pays (else None)."""
+class _Chunk(NamedTuple):
+    """Consecutive tokens attended one way: one group's masked call (``bias``), or a run of segment calls (None)."""
 
-    def __init__(self, groups: PrefixGroups, width: int, dtype: torch.dtype, device: torch.device):
-        self.lengths, self.segments, self.biases = [], [], []
-        self.q_offsets, self.k_offsets = [0], [0]
+    bias: torch.Tensor | None
+    q_len: int  # its tokens (queries; also its keys, not gathered)
+    k_len: int  # its gathered keys
+    q_offsets: list[int]  # its segments' offsets, from 0
+    k_offsets: list[int]
+
+
+class _GroupPlan:
+    """One layout's chunks: each group that :func:`one_call_pays` for alone, the groups between them as runs of
+    segment calls; and the layout's segment offsets, to check a call against."""
+
+    def __init__(self, groups: tuple[tuple[int, tuple[int, ...]], ...], width: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.q_offsets, self.k_offsets, self.chunks = [0], [0], []
+        run = 0  # the first segment not in a chunk yet
         for prompt_len, response_lens in groups:
             if prompt_len < 0 or any(r <= 0 for r in response_lens):
                 raise ValueError(f"attention: prefix_groups needs prompt lengths >= 0 and response lengths > 0, got "
                                  f"({prompt_len}, {response_lens})")
-            self.lengths.append(prompt_len + sum(response_lens))
-            self.segments.append(1 + len(response_lens))
-            pays = self.lengths[-1] > 0 and one_call_pays(prompt_len, response_lens, width)
-            self.biases.append(prefix_group_bias(prompt_len, response_lens, dtype, device) if pays else None)
+            first = len(self.q_offsets) - 1
             for q_len, k_len in [(prompt_len, prompt_len), *((r, prompt_len + r) for r in response_lens)]:
                 self.q_offsets.append(self.q_offsets[-1] + q_len)
                 self.k_offsets.append(self.k_offsets[-1] + k_len)
+            if prompt_len + sum(response_lens) and one_call_pays(prompt_len, response_lens, width):
+                self._add_chunk(run, first, None)
+                self._add_chunk(first, len(self.q_offsets) - 1,
+                                prefix_group_bias(prompt_len, response_lens, dtype, device))
+                run = len(self.q_offsets) - 1
+        self._add_chunk(run, len(self.q_offsets) - 1, None)
+
+    def _add_chunk(self, first: int, end: int, bias: torch.Tensor | None) -> None:
+        if first == end:
+            return
+        qs, ks = self.q_offsets[first], self.k_offsets[first]
+        self.chunks.append(_Chunk(bias, self.q_offsets[end] - qs, self.k_offsets[end] - ks,
+                                  [o - qs for o in self.q_offsets[first:end + 1]],
+                                  [o - ks for o in self.k_offsets[first:end + 1]]))
 
 
 _recent_plans: list[tuple[tuple, _GroupPlan]] = []  # ((groups, width, dtype, device), plan), newest first
@@ -174,25 +198,27 @@ def prefix_groups_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     """
     plan = _plan(groups, q.shape[1] * q.shape[2], q.dtype, q.device)
     if plan.q_offsets != q_offsets or plan.k_offsets != k_offsets or k.shape[0] != q.shape[0]:
-        raise ValueError(f"attention: prefix_groups describe {len(plan.lengths)} groups of {plan.q_offsets[-1]} "
+        raise ValueError(f"attention: prefix_groups describe {len(groups)} groups of {plan.q_offsets[-1]} "
                          f"tokens, not this call's segments (cu_seqlens {q_offsets[:6]}..., {k.shape[0]} key tokens)")
-    gathered = None
-    outs, segment = [], 0
-    q_h, k_h, v_h = (t.transpose(0, 1) for t in (q, k, v))  # (N, T, D)
-    parts = zip(plan.lengths, plan.segments, plan.biases, q_h.split(plan.lengths, 1), k_h.split(plan.lengths, 1),
-                v_h.split(plan.lengths, 1))
-    for length, segments, bias, q_g, k_g, v_g in parts:
-        if bias is not None:
-            out = F.scaled_dot_product_attention(q_g[None], k_g[None], v_g[None], attn_mask=bias, scale=scale,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
-            outs.append(out.squeeze(0).transpose(0, 1))  # (L, Nq, D)
-        elif length:
-            if gathered is None:
-                gathered = k.index_select(0, kv_index), v.index_select(0, kv_index)
-            qs, ks, ke = q_offsets[segment], k_offsets[segment], k_offsets[segment + segments]
-            local_q = [o - qs for o in q_offsets[segment:segment + segments + 1]]
-            local_k = [o - ks for o in k_offsets[segment:segment + segments + 1]]
-            outs.append(attention_reference(q_g.transpose(0, 1), gathered[0][ks:ke], gathered[1][ks:ke], causal=True,
-                                            attn_mask=None, q_offsets=local_q, k_offsets=local_k, scale=scale))
-        segment += segments
+    chunks = plan.chunks
+
+    def parts(t: torch.Tensor, lengths: list[int]) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
+        # Split, not sliced: one backward node concatenates the chunks' gradients (a slice each would scatter its
+        # gradient into a zero tensor of the whole batch).
+        return [t] if len(lengths) == 1 else t.split(lengths)
+
+    q_parts, k_parts, v_parts = (parts(t, [c.q_len for c in chunks]) for t in (q, k, v))
+    gk_parts = gv_parts = None
+    if any(c.bias is None for c in chunks):  # keys gathered for the segment calls
+        gk_parts, gv_parts = (parts(t.index_select(0, kv_index), [c.k_len for c in chunks]) for t in (k, v))
+    outs = []
+    for i, chunk in enumerate(chunks):
+        if chunk.bias is None:
+            outs.append(attention_reference(q_parts[i], gk_parts[i], gv_parts[i], causal=True, attn_mask=None,
+                                            q_offsets=chunk.q_offsets, k_offsets=chunk.k_offsets, scale=scale))
+            continue
+        q_g, k_g, v_g = (t[i].transpose(0, 1)[None] for t in (q_parts, k_parts, v_parts))  # (1, N, L, D)
+        out = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=chunk.bias, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        outs.append(out.squeeze(0).transpose(0, 1))  # (L, Nq, D)
     return outs[0] if len(outs) == 1 else torch.cat(outs)
