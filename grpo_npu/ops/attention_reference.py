@@ -9,11 +9,12 @@ followed by its responses; a prompt attends causally to itself, a response to th
 itself. Per segment that is 1 + n SDPA calls per group and layer, with keys gathered per response. Short
 segments make those calls mostly fixed cost: on the CPU (2 threads) a call costs about as much as 1.2M
 multiply-adds of attention work (query-key pairs x query heads x head dim), while a GRPO response of 13 tokens
-against a 37-token prompt is 0.3M. :func:`prefix_groups_attention` then computes the group in one SDPA call over
+against a 37-token prompt is 0.07M at 4 heads of 32. :func:`prefix_groups_attention` then computes the group in one SDPA call over
 its own tokens with an additive (L, L) mask: more pairs (the masked ones are computed too) in fewer calls. It
 takes the one call where the extra pairs cost less than the calls saved (:func:`one_call_pays`); at the tiny
 model's shapes (4 heads of 32, groups of 56-190 tokens) that halves the attention's time, forward and backward
-(docs/performance.md, "Session 14"); longer groups keep their per-segment calls, so the masks stay small.
+(docs/performance.md, "Session 14"); longer groups keep their per-segment calls, and no group over
+ONE_CALL_MAX_TOKENS takes one, so the masks stay small.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ CACHED_MASK_ELEMENTS = 64 * 1024  # causal masks up to this size are kept (at mo
 # attention, 2 threads, 4-14 query heads of 32-64 (fits 12 measured shapes, fwd and fwd+bwd: docs/performance.md).
 CALL_COST_MULTIPLY_ADDS = 1.2e6
 SEGMENT_PAIR_COST = 1.6
+# Groups up to this many tokens may take one call: their (L, L) fp32 mask is at most 1 MiB, and the masks of a
+# micro-batch hold at most this many values per token (memory linear in the tokens, never quadratic).
+ONE_CALL_MAX_TOKENS = 512
 
 
 def _cached_when_small(build):
@@ -108,8 +112,10 @@ def one_call_pays(prompt_len: int, response_lens: Sequence[int], width: int) -> 
 
     The masked call computes all L^2 pairs; the segments compute only the pairs they attend (a causal prompt, each
     response against the prompt and causally itself), each at SEGMENT_PAIR_COST, and pay CALL_COST_MULTIPLY_ADDS
-    for each call beyond the first."""
+    for each call beyond the first. Never for a group over ONE_CALL_MAX_TOKENS."""
     length = prompt_len + sum(response_lens)
+    if length > ONE_CALL_MAX_TOKENS:
+        return False
     attended = prompt_len * (prompt_len + 1) // 2 + sum(r * prompt_len + r * (r + 1) // 2 for r in response_lens)
     extra = (length * length - SEGMENT_PAIR_COST * attended) * width
     return extra <= len(response_lens) * CALL_COST_MULTIPLY_ADDS

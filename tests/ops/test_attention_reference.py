@@ -128,6 +128,14 @@ def test_one_call_pays_follows_the_measured_crossover():
     assert not ref.one_call_pays(20, (100,) * 4, 4 * 32)  # 1.45x
 
 
+def test_no_group_over_the_token_cap_takes_one_call(monkeypatch):
+    """600 one-token responses would pass the cost rule; the cap keeps their mask from growing with L^2."""
+    many = (1,) * 600
+    assert not ref.one_call_pays(1, many, 1)
+    monkeypatch.setattr(ref, "ONE_CALL_MAX_TOKENS", 10**6)
+    assert ref.one_call_pays(1, many, 1)
+
+
 def test_prefix_group_masks_are_built_once_per_layout(reference_backend):
     q, k, v, _, args = _packed(LAYOUTS["grpo_small"])
     op.attention(q, k, v, causal=True, **args)
