@@ -55,12 +55,16 @@ def bottom_right_causal(sq: int, skv: int, device: torch.device) -> torch.Tensor
     return torch.ones(sq, skv, dtype=torch.bool, device=device).tril(diagonal=skv - sq)
 
 
+def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = attend) as the additive one torch SDPA makes of it on every call: 0 where seen, -inf
+    elsewhere (same values, so the same results)."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+
+
 @_cached_when_small
 def causal_bias(sq: int, skv: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(Sq, Skv) additive mask of :func:`bottom_right_causal`: 0 where seen, -inf elsewhere, the tensor torch SDPA
-    makes of a bool mask on every call (same values, so the same results)."""
-    keep = bottom_right_causal(sq, skv, device)
-    return torch.zeros(sq, skv, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+    """(Sq, Skv) additive mask of :func:`bottom_right_causal`."""
+    return _additive(bottom_right_causal(sq, skv, device), dtype)
 
 
 def _sdpa_bhsd(q, k, v, causal: bool, attn_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -112,9 +116,9 @@ def one_call_pays(prompt_len: int, response_lens: Sequence[int], width: int) -> 
 
     The masked call computes all L^2 pairs; the segments compute only the pairs they attend (a causal prompt, each
     response against the prompt and causally itself), each at SEGMENT_PAIR_COST, and pay CALL_COST_MULTIPLY_ADDS
-    for each call beyond the first. Never for a group over ONE_CALL_MAX_TOKENS."""
+    for each call beyond the first. Never for an empty group or one over ONE_CALL_MAX_TOKENS."""
     length = prompt_len + sum(response_lens)
-    if length > ONE_CALL_MAX_TOKENS:
+    if not length or length > ONE_CALL_MAX_TOKENS:
         return False
     attended = prompt_len * (prompt_len + 1) // 2 + sum(r * prompt_len + r * (r + 1) // 2 for r in response_lens)
     extra = (length * length - SEGMENT_PAIR_COST * attended) * width
@@ -133,7 +137,7 @@ def prefix_group_bias(prompt_len: int, response_lens: tuple[int, ...], dtype: to
         keep[start:start + r, :prompt_len] = True
         keep[start:start + r, start:start + r] = bottom_right_causal(r, r, device)
         start += r
-    return torch.zeros(length, length, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+    return _additive(keep, dtype)
 
 
 class _Chunk(NamedTuple):
@@ -162,7 +166,7 @@ class _GroupPlan:
             for q_len, k_len in [(prompt_len, prompt_len), *((r, prompt_len + r) for r in response_lens)]:
                 self.q_offsets.append(self.q_offsets[-1] + q_len)
                 self.k_offsets.append(self.k_offsets[-1] + k_len)
-            if prompt_len + sum(response_lens) and one_call_pays(prompt_len, response_lens, width):
+            if one_call_pays(prompt_len, response_lens, width):
                 self._add_chunk(run, first, None)
                 self._add_chunk(first, len(self.q_offsets) - 1,
                                 prefix_group_bias(prompt_len, response_lens, dtype, device))
@@ -224,7 +228,5 @@ def prefix_groups_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                                             q_offsets=chunk.q_offsets, k_offsets=chunk.k_offsets, scale=scale))
             continue
         q_g, k_g, v_g = (t[i].transpose(0, 1)[None] for t in (q_parts, k_parts, v_parts))  # (1, N, L, D)
-        out = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=chunk.bias, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        outs.append(out.squeeze(0).transpose(0, 1))  # (L, Nq, D)
+        outs.append(_sdpa_bhsd(q_g, k_g, v_g, False, chunk.bias, scale).squeeze(0).transpose(0, 1))  # (L, Nq, D)
     return outs[0] if len(outs) == 1 else torch.cat(outs)

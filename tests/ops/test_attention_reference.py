@@ -10,9 +10,7 @@ import torch.nn.functional as F
 from grpo_npu.ops import attention as op
 from grpo_npu.ops import attention_reference as ref
 
-
-def _causal_keep(sq, skv):
-    return torch.ones(sq, skv, dtype=torch.bool).tril(skv - sq)
+from .test_attention import _causal_keep
 
 
 def test_causal_bias_is_sdpas_own_conversion_of_the_bool_mask():
