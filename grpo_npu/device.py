@@ -303,8 +303,16 @@ class Device:
 
     # -- allocator ----------------------------------------------------------------------------
     def _allocator_setter(self) -> Any:
+        """torch_npu's ``memory._set_allocator_settings`` on NPU. On CUDA, torch's device-generic
+        ``torch._C._accelerator_setAllocatorSettings`` where it exists: ``torch.cuda.memory._set_allocator_settings``
+        only forwards to it, with a FutureWarning
+        (torch 2.11 and 2.13)."""
         mod = self.module
-        return getattr(getattr(mod, "memory", None), "_set_allocator_settings", None) if mod else None
+        if mod is None:
+            return None
+        if self.kind == "cuda" and hasattr(torch._C, "_accelerator_setAllocatorSettings"):
+            return torch._C._accelerator_setAllocatorSettings
+        return getattr(getattr(mod, "memory", None), "_set_allocator_settings", None)
 
     def has_allocator_toggle(self) -> bool:
         """Whether ``torch.<mod>.memory._set_allocator_settings`` exists: torch_npu 2.10.x of the supported

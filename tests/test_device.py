@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,28 @@ def test_runtime_allocator_toggle_uses_the_device_module(monkeypatch):
     assert D.Device("npu").set_expandable_segments(False) is True
     assert D.Device("npu").set_expandable_segments(True) is True
     assert calls == ["expandable_segments:False", "expandable_segments:True"]
+
+
+def test_cuda_allocator_toggle_calls_torchs_generic_setter_without_the_deprecation(monkeypatch):
+    calls = []
+
+    class FakeMemory:
+        @staticmethod
+        def _set_allocator_settings(s):  # torch.cuda's deprecated forwarder
+            warnings.warn("torch.cuda._set_allocator_settings is deprecated", FutureWarning)
+
+    class FakeModule:
+        memory = FakeMemory
+
+    monkeypatch.setattr(D.Device, "module", property(lambda self: FakeModule))
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert D.Device("cuda").set_expandable_segments(False) is True
+    assert calls == ["expandable_segments:False"]
+    monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings")
+    with pytest.warns(FutureWarning):  # an older torch: its module's own setter is the only one
+        assert D.Device("cuda").set_expandable_segments(True) is True
 
 
 def test_device_name_comes_from_the_device_module(monkeypatch):

@@ -106,9 +106,10 @@ def decode_attention(model: nn.Module) -> Iterator[bool]:
 
 def _replaceable(model: nn.Module) -> tuple[str, ...]:
     """``sdpa`` everywhere; also the ``grpo_npu`` attention (patched in for shared-prompt packing and for packed
-    rows, model.use_remove_padding) wherever it runs its plain-PyTorch reference, which at a decode step is
-    masked attention with the KV heads expanded. Its NPU kernel takes GQA natively and stays."""
+    rows, model.use_remove_padding) wherever a decode step runs its plain-PyTorch reference, which there is
+    masked attention with the KV heads expanded: the ``reference`` backend, and the ``cuda`` one, whose
+    flash kernel serves packed rows only. Its NPU kernel takes GQA natively and stays."""
     param = next(model.parameters(), None)
-    if param is None or attention_op.BACKEND.pick(param) != "reference":
+    if param is None or attention_op.BACKEND.pick(param) == "npu":
         return (REPLACES,)
     return (REPLACES, PATCHED)

@@ -75,7 +75,8 @@ def test_switch_only_for_sdpa_and_restored(tiny_hf):
 def test_ops_attention_switched_on_its_reference_path_only(tiny_hf, monkeypatch):
     """The ``grpo_npu`` attention (patched in for packed rows and prompt sharing) is switched wherever it runs its
     PyTorch reference (CPU, CUDA: a packed-rows run on CUDA decoded through ``generate``, 6x slower at 1024
-    tokens on an H100); where its NPU kernel serves the model's tensors it stays."""
+    tokens on an H100, and again 5x slower at the 0.5B shape once the ``cuda`` backend existed); where its NPU
+    kernel serves the model's tensors it stays."""
     from grpo_npu.ops import attention as attention_op
     from grpo_npu.ops.patch import ATTN_IMPLEMENTATION as OPS, _register_attention
 
@@ -85,6 +86,9 @@ def test_ops_attention_switched_on_its_reference_path_only(tiny_hf, monkeypatch)
         with decode_attention(tiny_hf) as on:
             assert on and tiny_hf.config._attn_implementation == ATTN_IMPLEMENTATION
         assert tiny_hf.config._attn_implementation == OPS
+        monkeypatch.setattr(attention_op.BACKEND, "pick", lambda x: "cuda")  # flash varlen for packed rows only
+        with decode_attention(tiny_hf) as on:
+            assert on and tiny_hf.config._attn_implementation == ATTN_IMPLEMENTATION
         monkeypatch.setattr(attention_op.BACKEND, "pick", lambda x: "npu")
         with decode_attention(tiny_hf) as on:
             assert not on and tiny_hf.config._attn_implementation == OPS
