@@ -305,8 +305,7 @@ class Device:
     def _allocator_setter(self) -> Any:
         """torch_npu's ``memory._set_allocator_settings`` on NPU. On CUDA, torch's device-generic
         ``torch._C._accelerator_setAllocatorSettings`` where it exists: ``torch.cuda.memory._set_allocator_settings``
-        only forwards to it, with a FutureWarning
-        (torch 2.11 and 2.13)."""
+        only forwards to it, with a FutureWarning (torch 2.11 and 2.13)."""
         mod = self.module
         if mod is None:
             return None

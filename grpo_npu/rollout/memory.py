@@ -97,8 +97,9 @@ class MemoryLedger:
                 self.leak_warnings += 1
                 log.warning(
                     "rollout memory leak? memory %s after sleep grew %.3f GiB over the last %d sleep/wake cycles, "
-                    "in every one of them (%.3f -> %.3f GiB; threshold %.3f GiB). Memory that survives sleep accumulates until OOM: "
-                    "check that empty_cache runs after sleep and that no tensors from generation are kept alive.",
+                    "in every one of them (%.3f -> %.3f GiB; threshold %.3f GiB). Memory that survives sleep "
+                    "accumulates until OOM: check that empty_cache runs after sleep and that no tensors from "
+                    "generation are kept alive.",
                     what, (now - then) / _GIB, self.window, then / _GIB, now / _GIB, self.leak_threshold_bytes / _GIB,
                 )
         metrics["rollout/mem_sleep_growth_gb"] = growth / _GIB

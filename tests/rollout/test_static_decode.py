@@ -236,48 +236,31 @@ def test_prefill_mask_covers_the_prompt_only(tiny_hf, tiny_tokenizer, prompt_bat
     assert shapes[1:] == [(rows, 1, 1, width + 5)] * 4
 
 
-def test_the_cpu_ops_attention_decodes_through_the_static_loop(tiny_hf, tiny_tokenizer, prompt_batch, monkeypatch):
-    """On CPU the grpo_npu attention (patched in for shared-prompt training) is swapped for the decode attention
-    during generation, so the static loop runs; same tokens as the plain model; the patch is back afterwards."""
-    from grpo_npu.ops import patch_model
-
-    patched = copy.deepcopy(tiny_hf)
-    patch_model(patched, ops=("attention",))
-    assert patched.config._attn_implementation == "grpo_npu"
-    calls = []
-    real = hf_rollout.static_generate
-    monkeypatch.setattr(hf_rollout, "static_generate", lambda *a, **k: calls.append(1) or real(*a, **k))
-    ids, mask = prompt_batch
-    sampling = SAMPLINGS["all"]
-    rollout = HFRollout(patched, pad_token_id=tiny_tokenizer.pad_token_id, eos_token_ids=[tiny_tokenizer.eos_token_id])
-    out = rollout.generate(ids, mask, sampling)
-    plain = HFRollout(tiny_hf, pad_token_id=tiny_tokenizer.pad_token_id, eos_token_ids=[tiny_tokenizer.eos_token_id])
-    assert_same(out, plain.generate(ids, mask, sampling))
-    assert calls == [1, 1] and patched.config._attn_implementation == "grpo_npu"
-
-
-@pytest.mark.cuda
-def test_cuda_ops_attention_decodes_through_the_static_loop(tiny_model_path, tiny_tokenizer, prompt_batch, monkeypatch):
-    """bf16 on CUDA, where the grpo_npu attention's backend is ``cuda`` (torch's flash varlen kernel, for packed
-    rows only): patched in for packed-row or shared-prompt training, it still decodes through the static loop,
-    token for token as the plain model. Until 661392f it fell back to ``generate`` there (5x slower generation
-    at the 0.5B shape on an H100)."""
+@pytest.mark.parametrize("device, sampling", [("cpu", "all"), pytest.param("cuda", "greedy", marks=pytest.mark.cuda)])
+def test_the_ops_attention_decodes_through_the_static_loop(device, sampling, tiny_hf, tiny_model_path, tiny_tokenizer,
+                                                           prompt_batch, monkeypatch):
+    """The grpo_npu attention (patched in for packed-row or shared-prompt training) is swapped for the decode
+    attention during generation, so the static loop runs; same tokens as the plain model; the patch is back
+    afterwards. On CPU the op runs its reference; on CUDA (bf16) its backend is ``cuda`` (torch's flash varlen
+    kernel, for packed rows only), where until 661392f it fell back to ``generate`` (5x slower generation at the
+    0.5B shape on an H100)."""
     from grpo_npu.ops import attention as attention_op
     from grpo_npu.ops import patch_model
 
-    plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16).cuda().eval()
+    plain = (tiny_hf if device == "cpu"
+             else AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16).cuda().eval())
     patched = copy.deepcopy(plain)
     patch_model(patched, ops=("attention",))
-    if attention_op.BACKEND.pick(next(patched.parameters())) != "cuda":
+    assert patched.config._attn_implementation == "grpo_npu"
+    if device == "cuda" and attention_op.BACKEND.pick(next(patched.parameters())) != "cuda":
         pytest.skip("this torch has no flash varlen kernel: the op runs its reference, covered on CPU")
     calls = []
     real = hf_rollout.static_generate
     monkeypatch.setattr(hf_rollout, "static_generate", lambda *a, **k: calls.append(1) or real(*a, **k))
     ids, mask = prompt_batch
-    sampling = SAMPLINGS["greedy"]
-    out = HFRollout(patched, pad_token_id=tiny_tokenizer.pad_token_id,
-                    eos_token_ids=[tiny_tokenizer.eos_token_id]).generate(ids, mask, sampling)
-    reference = HFRollout(plain, pad_token_id=tiny_tokenizer.pad_token_id,
-                          eos_token_ids=[tiny_tokenizer.eos_token_id]).generate(ids, mask, sampling)
+    config = SAMPLINGS[sampling]
+    rollout = HFRollout(patched, pad_token_id=tiny_tokenizer.pad_token_id, eos_token_ids=[tiny_tokenizer.eos_token_id])
+    out = rollout.generate(ids, mask, config)
+    reference = HFRollout(plain, pad_token_id=tiny_tokenizer.pad_token_id, eos_token_ids=[tiny_tokenizer.eos_token_id])
+    assert_same(out, reference.generate(ids, mask, config))
     assert calls == [1, 1] and patched.config._attn_implementation == "grpo_npu"
-    assert_same(out, reference)
