@@ -67,8 +67,8 @@ def _sync_times(spec: TinySpec) -> dict:
             for name, p in hf.named_parameters():
                 if ".lora_B." in name:
                     p.normal_(0, 0.01)
-        cfg = RolloutConfig(name="vllm", load_format="dummy", tensor_model_parallel_size=1, max_num_seqs=4,
-                            max_num_batched_tokens=256,
+        cfg = RolloutConfig(name="vllm", dtype="float32", load_format="dummy", tensor_model_parallel_size=1,
+                            max_num_seqs=4, max_num_batched_tokens=256,
                             engine_kwargs={"vllm": {"kv_cache_memory_bytes": 128 * 1024**2}})
         rollout = build_rollout(cfg, device=Device("cpu"), model_path=model_dir, prompt_length=64, response_length=16,
                                 pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id],

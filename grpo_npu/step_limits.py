@@ -21,7 +21,8 @@ from grpo_npu.perf.hardware import device_spec
 from grpo_npu.perf.memory import MemoryInputs, memory_table, over_capacity, plan_memory, plan_metrics
 from grpo_npu.perf.report import StepReport, StepWorkload, step_report, verdict
 from grpo_npu.rollout.vllm_settings import CPU_KV_CACHE_BYTES
-from grpo_npu.workers.response_model import actor_fsdp_wrap_on, actor_reshard_after_forward, compute_dtype_of
+from grpo_npu.workers.response_model import (actor_fsdp_wrap_on, actor_reshard_after_forward, compute_dtype_of,
+                                             engine_dtype_of)
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class StepLimits:
             self.enabled = False
             return
         self.dtype = compute_dtype_of(arr.model, arr.actor.fsdp_config, dev)
-        self.rollout_dtype = arr.rollout.dtype if dev.is_accelerator else "fp32"
+        self.rollout_dtype = engine_dtype_of(arr, dev)
         self.spec = device_spec(dev.kind, dev.device_name(), dtypes=(self.dtype, self.rollout_dtype))
         if self.spec is None:
             log.info("perf: %s is not in the device table: phase shares only, no floors or MFU", dev.device_name())

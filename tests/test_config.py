@@ -105,6 +105,14 @@ def test_bad_type_and_bad_value_messages():
         load_config(BASE + ["trainer.device"])
 
 
+def test_rollout_dtype_is_refused_where_the_rollout_cannot_act_on_it():
+    """The hf rollout generates with the actor's module: a rollout.dtype other than auto would be ignored there."""
+    with pytest.raises(ConfigError, match=r"rollout\.dtype=bfloat16 with rollout\.name=hf.*leave it auto"):
+        load_config(BASE + ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.dtype=bfloat16"])
+    assert load_config(BASE + ["actor_rollout_ref.rollout.name=hf"]).actor_rollout_ref.rollout.dtype == "auto"
+    assert load_config(BASE + ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=bf16"])
+
+
 def test_batch_arithmetic_errors_explain_the_numbers():
     with pytest.raises(ConfigError, match=r"10 x 1 = 10 responses cannot be split evenly over 8 ranks"):
         load_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "data.train_batch_size=10",

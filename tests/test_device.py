@@ -53,6 +53,29 @@ def test_names_per_kind(kind, backend, mixed, env, ray, alloc):
     assert dev.default_dtype() == (torch.float32 if kind == "cpu" else torch.bfloat16)
 
 
+@pytest.mark.parametrize("avx512_bf16, amx, auto", [(True, False, torch.bfloat16), (False, True, torch.bfloat16),
+                                                    (False, False, torch.float32)])
+def test_engine_dtype_auto_is_bf16_on_cpus_with_bf16_dot_products_only(monkeypatch, avx512_bf16, amx, auto):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert D.cpu_has_bf16_dot_products() is (avx512_bf16 or amx)
+    assert D.Device("cpu").engine_dtype("auto") == auto
+    assert D.Device("cpu").default_dtype() == torch.float32  # training on CPU stays fp32 either way
+    for kind in ("npu", "cuda"):  # accelerators: bf16 whatever the host CPU
+        assert D.Device(kind).engine_dtype("auto") == torch.bfloat16
+    for name, dtype in [("float32", torch.float32), ("fp32", torch.float32), ("bf16", torch.bfloat16),
+                        ("float16", torch.float16)]:  # an explicit dtype is taken as given, everywhere
+        assert D.Device("cpu").engine_dtype(name) == dtype and D.Device("cuda").engine_dtype(name) == dtype
+    with pytest.raises(ValueError, match="unknown dtype 'int8'; known: auto, float32"):
+        D.Device("cpu").engine_dtype("int8")
+
+
+def test_cpu_without_torchs_probes_is_taken_as_lacking_bf16(monkeypatch):
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.delattr(torch.cpu, probe)
+    assert D.cpu_has_bf16_dot_products() is False
+
+
 def test_cpu_memory_stats_and_noops():
     dev = D.Device("cpu")
     before = dev.memory_stats()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import grpo_npu
+from grpo_npu import device
 from grpo_npu import names as top_names
 from grpo_npu.algo import advantages, kl, losses
 from grpo_npu.algo import names as algo_names
@@ -49,8 +50,11 @@ def test_rollout_reward_and_worker_tables_cover_the_declared_names():
     assert set(rollout._BUILDERS) == set(rollout_names.ROLLOUT_NAMES)
     assert set(vllm_settings._LOAD_FORMATS) == set(rollout_names.LOAD_FORMATS)
     assert set(manager.REWARD_MANAGERS) == set(reward_names.REWARD_MANAGER_NAMES)
-    assert set(fsdp.DTYPES) | {"auto"} == set(workers_names.DTYPE_NAMES)
-    assert set(vllm_settings._DTYPES) == set(workers_names.DTYPE_NAMES)
+    assert set(device.DTYPES) | {"auto"} == set(workers_names.DTYPE_NAMES)
+    for name in workers_names.DTYPE_NAMES:  # every name resolves, for training and for the engine
+        for kind in ("cpu", "cuda"):
+            fsdp.resolve_dtype(name, device.Device(kind))
+            device.Device(kind).engine_dtype(name)
     for impl in workers_names.OPTIM_IMPLS:
         assert optim.resolve_impl(impl, "cpu") in workers_names.OPTIM_IMPLS
     for style in workers_names.WARMUP_STYLES:

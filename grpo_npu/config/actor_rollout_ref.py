@@ -256,8 +256,9 @@ class RolloutConfig:
     """Prompt length seen by the engine (None: data.max_prompt_length)."""
     response_length: Optional[int] = None
     """Generated tokens (None: data.max_response_length)."""
-    dtype: str = choice("bfloat16", DTYPE_NAMES)
-    """Engine dtype on NPU/GPU (CPU always runs float32)."""
+    dtype: str = choice("auto", DTYPE_NAMES)
+    """vLLM engine dtype (auto: bfloat16 on NPU/GPU and on CPUs with AVX512-BF16 or AMX, float32 on other CPUs).
+    The hf rollout generates with the actor's module, in its compute dtype: leave this auto there."""
     gpu_memory_utilization: float = 0.5
     """Fraction of device memory vLLM may use for weights and KV cache."""
     ignore_eos: bool = False

@@ -71,6 +71,9 @@ def validate(cfg: Config) -> None:
             f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]")
     require(rollout.temperature >= 0, f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be >= 0")
     require(0 < rollout.top_p <= 1, f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]")
+    require(rollout.name != "hf" or rollout.dtype == "auto",
+            f"actor_rollout_ref.rollout.dtype={rollout.dtype} with rollout.name=hf: that rollout generates with the "
+            "actor's module in the actor's compute dtype (fsdp_config.mixed_precision.param_dtype); leave it auto")
     require(rollout.sleep_level in (None, 1, 2),
             f"actor_rollout_ref.rollout.sleep_level={rollout.sleep_level} must be 1, 2 or null")
     sc = rollout.sync_check

@@ -11,7 +11,8 @@ what is counted):
                                  the bytes are every weight read once (however many rows) plus the KV
                                  cache of every key attended to ("roofline"). The bandwidth term alone
                                  is reported too (``perf/limit_frac/gen_bandwidth``).
-    sync                         one in-memory copy of the engine's weights (read + write) / bandwidth
+    sync                         one in-memory copy of the weights into the engine (read in the compute
+                                 dtype, written in the engine's) / bandwidth
 Other phases (reward, adv, idle, ...) have no modelled floor; they are reported as shares of the step.
 
 Rows are the unit, as in verl: a row's forward covers its prompt and response, the head runs on its
@@ -239,7 +240,8 @@ def step_report(seconds: Mapping[str, float], workload: StepWorkload, spec: Devi
             roofline, gen_bandwidth = generation_floor(w, spec)
             phases[name] = PhaseCost(t, roofline, "roofline")
         elif name == "sync":
-            copy_bytes = 2 * w.actor.params * DTYPE_BYTES[w.rollout_dtype]  # read + write, on every rank
+            # read (compute dtype) + write (engine dtype), on every rank
+            copy_bytes = w.actor.params * (DTYPE_BYTES[w.dtype] + DTYPE_BYTES[w.rollout_dtype])
             copies = w.world_size if spec.ranks_share_device else 1
             phases[name] = PhaseCost(t, copies * copy_bytes / spec.bandwidth, "copy")
         else:

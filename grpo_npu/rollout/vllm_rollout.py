@@ -59,7 +59,7 @@ import torch
 
 from grpo_npu import compat
 from grpo_npu.config import RolloutConfig
-from grpo_npu.device import Device
+from grpo_npu.device import Device, cpu_has_bf16_dot_products
 from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, pack_responses, unpad_prompts
 from grpo_npu.rollout.vllm_cpu_sync import direct_sync_unsupported, sync_weights_in_place
 from grpo_npu.rollout.vllm_lora import AdapterSync, engine_adapter_sync, lora_engine_kwargs
@@ -399,8 +399,13 @@ def build_vllm_rollout(
         if os.environ.get(key) != value:
             log.info("vllm rollout: setting %s=%s", key, value)
         os.environ[key] = value
+    engine_dtype = device.engine_dtype(cfg.dtype)
+    if device.kind == "cpu" and engine_dtype == torch.bfloat16 and not cpu_has_bf16_dot_products():
+        log.warning("vllm rollout: actor_rollout_ref.rollout.dtype=%s on a CPU without bf16 dot products "
+                    "(AVX512-BF16 or AMX): its products are emulated, no faster than float32 (auto picks float32 "
+                    "here)", cfg.dtype)
     kwargs = vllm_engine_kwargs(cfg, model_path=model_path, device_kind=device.kind, prompt_length=prompt_length,
-                                response_length=response_length, sleep_mode=sleep_mode,
+                                response_length=response_length, sleep_mode=sleep_mode, engine_dtype=engine_dtype,
                                 trust_remote_code=trust_remote_code, logprobs_mode=stack.vllm_logprobs_mode)
     adapter_sync = engine_adapter_sync(lora_adapter)
     if adapter_sync is not None:

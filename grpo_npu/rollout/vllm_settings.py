@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 from grpo_npu.config import RolloutConfig
 
 if TYPE_CHECKING:  # torch-free at import
+    import torch
+
     from grpo_npu.rollout.base import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -33,8 +35,6 @@ CPU_BLOCK_SIZE = 32
 # verl load-format names -> vLLM's: the dummy_* variants all mean "random weights, synced later".
 _LOAD_FORMATS = {"dummy": "dummy", "dummy_dtensor": "dummy", "dummy_hf": "dummy", "auto": "auto", "hf": "auto",
                  "safetensors": "safetensors", "pt": "pt"}
-_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-           "float32": "float32", "fp32": "float32", "auto": "auto"}
 _IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # Log-probs after temperature, top-k and top-p: the actor's log_softmax(logits / T) when top-k/top-p are off.
 LOGPROBS_MODE = "processed_logprobs"
@@ -103,10 +103,14 @@ def vllm_engine_kwargs(
     prompt_length: int,
     response_length: int,
     sleep_mode: bool,
+    engine_dtype: "torch.dtype",
     trust_remote_code: bool = False,
     logprobs_mode: bool = True,
 ) -> dict[str, Any]:
     """``vllm.LLM(**kwargs)`` for this rollout config on this device kind.
+
+    ``engine_dtype``: ``rollout.dtype`` resolved for the device (``Device.engine_dtype``: ``auto`` is bf16 on
+    NPU/GPU and on CPUs with bf16 dot products, fp32 on other CPUs).
 
     ``logprobs_mode``: the installed vLLM takes the engine argument (>= 0.10; grpo_npu.compat).
     ``tensor_model_parallel_size`` > 1 runs the engine under ``external_launcher`` on every device kind,
@@ -138,7 +142,7 @@ def vllm_engine_kwargs(
         model=model_path,
         tokenizer=model_path,
         trust_remote_code=trust_remote_code,
-        dtype="float32" if device_kind == "cpu" else _DTYPES[cfg.dtype],  # bf16 on CPU is ~300x slower here
+        dtype=str(engine_dtype).removeprefix("torch."),  # vLLM's names: float32, bfloat16, float16
         load_format=_LOAD_FORMATS[cfg.load_format],
         tensor_parallel_size=tp,
         gpu_memory_utilization=cfg.gpu_memory_utilization,

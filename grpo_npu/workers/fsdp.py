@@ -40,7 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from grpo_npu import compat
 from grpo_npu.checkpoint import load_state_file
-from grpo_npu.device import Device
+from grpo_npu.device import Device, named_dtype
 from grpo_npu.io import atomic_path, write_json
 
 log = logging.getLogger(__name__)
@@ -50,11 +50,6 @@ _FSDP2 = compat.fsdp2()
 CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy = _FSDP2.CPUOffloadPolicy, _FSDP2.FSDPModule, _FSDP2.MixedPrecisionPolicy
 OffloadPolicy, fully_shard = _FSDP2.OffloadPolicy, _FSDP2.fully_shard
 
-DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
 # Default attention kernel: SDPA runs everywhere and isolates packed sequences via position_ids.
 DEFAULT_ATTN_IMPLEMENTATION = "sdpa"
 # HF's own default shard size for safetensors exports.
@@ -136,12 +131,7 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 def resolve_dtype(name: str, dev: Device) -> torch.dtype:
     """A config dtype name; ``auto`` is bf16 on NPU/GPU and fp32 on CPU."""
-    if name == "auto":
-        return dev.default_dtype()
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; known: auto, {', '.join(DTYPES)}") from None
+    return dev.default_dtype() if name == "auto" else named_dtype(name)
 
 
 def load_hf_config(path: str, override_config: dict[str, Any], *, trust_remote_code: bool, num_labels: int | None = None):

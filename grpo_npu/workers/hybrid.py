@@ -31,7 +31,7 @@ from grpo_npu.workers import fsdp, lora
 from grpo_npu.workers.actor import Actor, Policy
 from grpo_npu.workers.critic import Critic, ValueHead
 from grpo_npu.workers.response_model import (CausalLMLogProbs, build_sharded, compile_layers_on, compute_dtype_of,
-                                             fused_kernels_on, onednn_linear_on, share_prompt_prefix_on)
+                                             engine_dtype_of, fused_kernels_on, onednn_linear_on, share_prompt_prefix_on)
 from grpo_npu.workers.update_loop import params_on
 
 log = logging.getLogger(__name__)
@@ -173,9 +173,8 @@ class HybridWorker:
 
     # -- rollout ------------------------------------------------------------------------------------
     def engine_dtype(self) -> torch.dtype:
-        """The dtype the engine runs (and receives weights) in: float32 on CPU, else rollout.dtype."""
-        rollout = self.cfg.actor_rollout_ref.rollout
-        return torch.float32 if not self.dev.is_accelerator else fsdp.resolve_dtype(rollout.dtype, self.dev)
+        """The dtype the engine runs (and receives weights) in (``response_model.engine_dtype_of``)."""
+        return engine_dtype_of(self.cfg.actor_rollout_ref, self.dev)
 
     def takes_adapters(self) -> bool:
         """LoRA with an engine that takes adapters (grpo_npu/rollout/vllm_lora.py); else it takes whole weights."""

@@ -237,6 +237,14 @@ def compute_dtype_of(model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, dev: Device) 
     return fsdp.resolve_dtype(name, dev)
 
 
+def engine_dtype_of(arr: ActorRolloutRefConfig, dev: Device) -> torch.dtype:
+    """The dtype generation runs in: vLLM's engine dtype (``rollout.dtype``, ``Device.engine_dtype``), or for the
+    hf rollout, which generates with the actor's module, the actor's compute dtype."""
+    if arr.rollout.name == "hf":
+        return compute_dtype_of(arr.model, arr.actor.fsdp_config, dev)
+    return dev.engine_dtype(arr.rollout.dtype)
+
+
 def fused_kernels_on(model_cfg: ModelConfig, dev: Device) -> bool:
     """model.use_fused_kernels, where None means on for NPU and CUDA (each patches its :data:`FUSED_OPS`) and off on
     the host, where the ops are their plain-PyTorch references."""

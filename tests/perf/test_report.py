@@ -122,6 +122,17 @@ def test_bad_timings_are_refused(seconds, match):
         step_report(seconds, workload([5], [5]), spec())
 
 
+def test_sync_floor_reads_the_compute_dtype_and_writes_the_engines():
+    """An fp32 actor syncing into a bf16 engine reads 4 bytes and writes 2 per parameter; bf16 into bf16, 2 + 2."""
+    fp32_to_bf16 = workload([3], [1], rollout_dtype="bfloat16")
+    bf16_spec = DeviceSpec("test", {"fp32": 1e12, "bf16": 2e12}, 1e11, "test")
+    metrics = step_report({"step": 1.0, "sync": 0.5}, fp32_to_bf16, bf16_spec).metrics()
+    assert metrics["perf/floor_s/sync"] == pytest.approx(SHAPE.params * (4 + 2) / 1e11)
+    bf16 = StepWorkload(actor=SHAPE, prompt_lengths=[3], response_lengths=[1], n=1, world_size=1, dtype="bf16")
+    metrics = step_report({"step": 1.0, "sync": 0.5}, bf16, bf16_spec).metrics()
+    assert metrics["perf/floor_s/sync"] == pytest.approx(SHAPE.params * (2 + 2) / 1e11)
+
+
 def test_workload_validation():
     with pytest.raises(ValueError, match=r"2 prompt lengths and 3 response lengths"):
         workload([3, 3], [1, 2, 3])

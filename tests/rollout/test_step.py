@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_npu.device import MemoryStats
+from grpo_npu.device import Device, MemoryStats
 from grpo_npu.rollout import MemoryLedger, SamplingConfig, run_rollout_step
 from grpo_npu.rollout.base import GenerationOutput, Rollout
 
@@ -53,6 +53,9 @@ class RecordingDevice:
 
     def get_rng_state(self):
         return None
+
+    def engine_dtype(self, name: str) -> torch.dtype:
+        return Device(self.kind).engine_dtype(name)
 
     def set_rng_state(self, state) -> None:
         pass

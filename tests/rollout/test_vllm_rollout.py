@@ -33,7 +33,8 @@ def cpu():
 @pytest.fixture(scope="module")
 def engine(tiny_model_path, tiny_tokenizer, cpu):
     cfg = RolloutConfig(name="vllm", load_format="dummy", tensor_model_parallel_size=1, max_num_seqs=64,
-                        max_num_batched_tokens=1024, engine_kwargs={"vllm": {"kv_cache_memory_bytes": 256 * 1024**2}})
+                        dtype="float32", max_num_batched_tokens=1024,
+                        engine_kwargs={"vllm": {"kv_cache_memory_bytes": 256 * 1024**2}})
     rng = torch.get_rng_state()
     rollout = build_rollout(cfg, device=cpu, model_path=tiny_model_path, prompt_length=PROMPT_LENGTH,
                             response_length=RESPONSE_LENGTH, pad_token_id=tiny_tokenizer.pad_token_id,

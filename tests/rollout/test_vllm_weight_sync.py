@@ -28,13 +28,18 @@ PERTURB = 0.05  # weight noise of the "new" weights: far above KERNEL_ATOL in ev
 PROMPT_LENGTH, RESPONSE_LENGTH = 64, 16
 
 
+def _build(dtype: str, model_path, tokenizer):
+    cfg = RolloutConfig(name="vllm", load_format="dummy", tensor_model_parallel_size=1, max_num_seqs=16,
+                        dtype=dtype, max_num_batched_tokens=1024,
+                        engine_kwargs={"vllm": {"kv_cache_memory_bytes": 128 * 1024**2}})
+    return build_rollout(cfg, device=Device("cpu"), model_path=model_path, prompt_length=PROMPT_LENGTH,
+                         response_length=RESPONSE_LENGTH, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_ids=[tokenizer.eos_token_id])
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model_path, tiny_tokenizer, caplog_module):
-    cfg = RolloutConfig(name="vllm", load_format="dummy", tensor_model_parallel_size=1, max_num_seqs=16,
-                        max_num_batched_tokens=1024, engine_kwargs={"vllm": {"kv_cache_memory_bytes": 128 * 1024**2}})
-    rollout = build_rollout(cfg, device=Device("cpu"), model_path=tiny_model_path, prompt_length=PROMPT_LENGTH,
-                            response_length=RESPONSE_LENGTH, pad_token_id=tiny_tokenizer.pad_token_id,
-                            eos_token_ids=[tiny_tokenizer.eos_token_id])
+    rollout = _build("float32", tiny_model_path, tiny_tokenizer)
     yield rollout
     rollout.close()
 
@@ -69,7 +74,8 @@ def _hf_weight_of(module_name: str, attr: str, state: dict[str, torch.Tensor]) -
 
 
 def _kernel_errors(engine, state: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Max |kernel(x) - x @ W.T - b| for every GEMM-dispatched layer of the engine, W and b from ``state``."""
+    """Max |kernel(x) - x @ W.T - b| for every GEMM-dispatched layer of the engine, W and b from ``state``; x in
+    the weights' dtype, the reference product in fp32."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -81,10 +87,10 @@ def _kernel_errors(engine, state: dict[str, torch.Tensor]) -> dict[str, float]:
                 continue
             weight = _hf_weight_of(name, "weight", state)  # (N, K)
             bias = _hf_weight_of(name, "bias", state) if getattr(module, "bias", None) is not None else None
-            x = torch.randn(8, weight.shape[1], generator=gen)  # (8, K)
+            x = torch.randn(8, weight.shape[1], generator=gen).to(weight.dtype)  # (8, K)
             got = module.cpu_linear(x, module.weight, module.bias if bias is not None else None)[:, : weight.shape[0]]
-            want = x @ weight.T + (bias if bias is not None else 0)
-            errors[name] = float((got - want).abs().max())
+            want = x.float() @ weight.float().T + (bias.float() if bias is not None else 0)
+            errors[name] = float((got.float() - want).abs().max())
         return errors
 
     return engine.llm.collective_rpc(on_worker)[0]
@@ -186,3 +192,37 @@ def test_the_direct_path_refuses_compiled_models_and_layers_it_does_not_know():
         _fake_worker(unknown, CompilationMode.NONE))
     assert "compiled" in vllm_cpu_sync.direct_sync_unsupported(_fake_worker(unknown, CompilationMode.VLLM_COMPILE))
     assert "no model_runner.model" in vllm_cpu_sync.direct_sync_unsupported(object())
+
+
+# ------------------------------------------------------------------------------------------------
+# A bf16 engine (rollout.dtype=auto on a CPU with AVX512-BF16 or AMX): the worker sends bf16 tensors
+# ------------------------------------------------------------------------------------------------
+BF16_KERNEL_ATOL = 0.02  # outputs of |y| <~ 1 rounded to bf16 (8 bits of mantissa), fp32 accumulation
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(tiny_model_path, tiny_tokenizer):
+    rollout = _build("bfloat16", tiny_model_path, tiny_tokenizer)
+    yield rollout
+    rollout.close()
+
+
+def test_a_bf16_engine_computes_with_the_new_weights_on_both_paths(bf16_engine, tiny_hf, prompt_batch, ref):
+    """Direct sync (in-place copies + repack) and vLLM's reload into a bf16 engine: every kernel computes with the
+    new bf16 weights, no longer with the old ones, and both paths generate the same tokens and log-probs."""
+    bf16 = lambda state: {k: v.to(torch.bfloat16) for k, v in state.items()}  # noqa: E731 - what the worker sends
+    old = bf16(tiny_hf.state_dict())
+    new = bf16(ref.perturbed_weights(tiny_hf, scale=PERTURB, seed=4))
+    outputs = {}
+    for path in ("reload", "direct"):
+        bf16_engine.sync_path = path
+        bf16_engine.update_weights(old.items())
+        bf16_engine.update_weights(new.items())
+        errors = _kernel_errors(bf16_engine, new)
+        assert {"lm_head", "model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj"} <= set(errors)
+        assert max(errors.values()) < BF16_KERNEL_ATOL, (path, errors)
+        assert min(_kernel_errors(bf16_engine, old).values()) > 5 * BF16_KERNEL_ATOL, path
+        outputs[path] = _greedy(bf16_engine, prompt_batch)
+    bf16_engine.sync_path = "direct"
+    assert torch.equal(outputs["direct"].response_ids, outputs["reload"].response_ids)
+    torch.testing.assert_close(outputs["direct"].logprobs, outputs["reload"].logprobs, atol=0, rtol=0)

@@ -48,7 +48,8 @@ def actor(untied_path):
 @pytest.fixture(scope="module")
 def engine(untied_path, tiny_tokenizer):
     cfg = RolloutConfig(name="vllm", load_format="dummy", tensor_model_parallel_size=1, max_num_seqs=16,
-                        max_num_batched_tokens=1024, engine_kwargs={"vllm": {"kv_cache_memory_bytes": 128 * 1024**2}})
+                        dtype="float32", max_num_batched_tokens=1024,
+                        engine_kwargs={"vllm": {"kv_cache_memory_bytes": 128 * 1024**2}})
     rollout = build_rollout(cfg, device=Device("cpu"), model_path=untied_path, prompt_length=64, response_length=16,
                             pad_token_id=tiny_tokenizer.pad_token_id, eos_token_ids=[tiny_tokenizer.eos_token_id])
     yield rollout

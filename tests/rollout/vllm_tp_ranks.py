@@ -47,7 +47,8 @@ def main(model_dir: str, out_path: str) -> None:
                           master_port=int(os.environ["MASTER_PORT"]))
     tok = AutoTokenizer.from_pretrained(model_dir)
     cfg = RolloutConfig(name="vllm", load_format="dummy", tensor_model_parallel_size=world, max_num_seqs=16,
-                        max_num_batched_tokens=256, engine_kwargs={"vllm": {"kv_cache_memory_bytes": 64 * 1024**2}})
+                        dtype="float32", max_num_batched_tokens=256,
+                        engine_kwargs={"vllm": {"kv_cache_memory_bytes": 64 * 1024**2}})
     rollout = build_rollout(cfg, device=dev, model_path=model_dir, prompt_length=32, response_length=8,
                             pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
     state = perturbed_state(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))

@@ -49,7 +49,7 @@ def test_vllm_engine_receives_the_actors_weights(tiny_model_path, lora):
     if lora:
         pytest.importorskip("peft")
     cfg = make_cfg(tiny_model_path, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.calculate_log_probs=True",
-                   "actor_rollout_ref.rollout.load_format=dummy", "actor_rollout_ref.rollout.max_num_seqs=16",
+                   "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.load_format=dummy", "actor_rollout_ref.rollout.max_num_seqs=16",
                    "actor_rollout_ref.rollout.max_num_batched_tokens=256", "actor_rollout_ref.actor.optim.lr=0.1", *lora)
     prompts = make_batch(seed=21, rows=4)
     with LocalGroup(HybridWorker, device_kind="cpu", args=(cfg,)) as group:

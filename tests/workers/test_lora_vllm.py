@@ -22,7 +22,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("peft")
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("process_group")]
 
-VLLM = ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.max_num_seqs=16",
+VLLM = ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.max_num_seqs=16",
         "actor_rollout_ref.rollout.max_num_batched_tokens=256",
         "+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=67108864",
         "actor_rollout_ref.rollout.sync_check.first_syncs=100")  # the canary checks every sync here

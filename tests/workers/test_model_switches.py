@@ -12,7 +12,7 @@ import torch
 
 from grpo_npu.config import load_config
 from grpo_npu.device import Device
-from grpo_npu.workers.response_model import fused_kernels_on, onednn_linear_on, share_prompt_prefix_on
+from grpo_npu.workers.response_model import engine_dtype_of, fused_kernels_on, onednn_linear_on, share_prompt_prefix_on
 
 from .helpers import make_batch, make_cfg, make_worker
 
@@ -34,6 +34,19 @@ def test_auto_is_on_for_one_device_kind_and_explicit_values_win(switch, kind):
     assert switch(_model(), Device(kind)) is (kind in AUTO_ON[switch])
     for value in (True, False):
         assert switch(_model(**{key: value}), Device(kind)) is value
+
+
+@pytest.mark.parametrize("bf16_host", [True, False])
+def test_generation_dtype_is_the_engines_for_vllm_and_the_actors_compute_dtype_for_hf(monkeypatch, bf16_host):
+    monkeypatch.setattr("grpo_npu.device.cpu_has_bf16_dot_products", lambda: bf16_host)
+    base = ["actor_rollout_ref.model.path=/tmp/tiny", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
+    vllm = load_config(base + ["actor_rollout_ref.rollout.name=vllm"]).actor_rollout_ref
+    hf = load_config(base + ["actor_rollout_ref.rollout.name=hf"]).actor_rollout_ref
+    assert engine_dtype_of(vllm, Device("cpu")) == (torch.bfloat16 if bf16_host else torch.float32)
+    assert engine_dtype_of(hf, Device("cpu")) == torch.float32  # the actor trains in fp32 on CPU
+    assert engine_dtype_of(vllm, Device("cuda")) == engine_dtype_of(hf, Device("cuda")) == torch.bfloat16
+    pinned = load_config(base + ["actor_rollout_ref.rollout.dtype=float32"]).actor_rollout_ref
+    assert engine_dtype_of(pinned, Device("cpu")) == engine_dtype_of(pinned, Device("cuda")) == torch.float32
 
 
 @pytest.mark.usefixtures("process_group")
