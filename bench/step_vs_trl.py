@@ -12,7 +12,8 @@ defaults. ``--override`` adds grpo_npu keys on top, and the rows then say so.
 
 Workloads, identical on both sides (16 prompts x 4 samples, <= 64 new tokens, micro-batches of 16, one
 optimizer step per generation batch, low_var_kl KL loss against a reference model, gradient checkpointing,
-fp32 on CPU and bf16 compute on an accelerator (grpo_npu's defaults; TRL ``bf16=True``), 2 threads, the
+fp32 on CPU and bf16 compute on an accelerator (grpo_npu's defaults; TRL ``bf16=True``; grpo_npu's vLLM engine
+in ``rollout.dtype=auto``'s dtype, bf16 on a CPU with bf16 dot products), 2 threads, the
 gsm8k reward on the synthetic arithmetic task):
 - ``fixed``: a 3M-parameter random Qwen2 built here (:data:`BENCH_3M`), every response exactly 64 tokens
   (grpo_npu ``rollout.ignore_eos=True``; TRL ``min_new_tokens``);
@@ -313,7 +314,11 @@ def target_name(work: Workload, side: str) -> str:
 def precision(work: Workload) -> str:
     """The workload's arithmetic on both sides: grpo_npu's default for the device, which TRL is given too."""
     if work.device == "cpu":
-        return "fp32"
+        from grpo_npu.device import Device
+
+        engine = str(Device("cpu").engine_dtype("auto")).removeprefix("torch.")
+        return (f"fp32 training; grpo_npu's vLLM engine generates in {engine} (rollout.dtype=auto on this CPU), "
+                "its transformers rollout and TRL with the fp32 model")
     return "bf16 compute with fp32 master weights (grpo_npu's default mixed precision; TRL bf16=True)"
 
 

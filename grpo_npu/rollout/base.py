@@ -66,6 +66,10 @@ class GenerationOutput:
 class Rollout(abc.ABC):
     """generate / update_weights / sleep / wake_up, as the hybrid worker calls them per step."""
 
+    # update_weights takes floating tensors in any dtype and casts them to its own as it loads them (the caller
+    # need not cast first); False: the caller sends the engine's dtype.
+    casts_weights: bool = False
+
     @abc.abstractmethod
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig) -> GenerationOutput:
         """prompt_ids, prompt_mask: (B, P) left-padded. Returns B*n responses grouped by prompt."""

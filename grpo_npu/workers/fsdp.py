@@ -217,21 +217,36 @@ def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return named
 
 
+def is_sharded(module: nn.Module) -> bool:
+    """The module's parameters are FSDP2 shards (DTensors): reading them whole is a gather."""
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
 def iter_full_state_dict(
     module: nn.Module, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, full tensor) for every key of ``module.state_dict()``, gathering one at a time.
 
     Shards are cast to ``dtype`` BEFORE the all-gather (a bf16 sync moves and holds bf16 only).
-    Tied weights appear under each of their names (as ``state_dict()`` lists them). Collective.
+    Tied weights appear under each of their names (as ``state_dict()`` lists them), as one tensor: gathered
+    and cast once, so a consumer can tell the pair (the direct vLLM sync copies it once). Collective.
     """
     named = _named_tensors(module)
+    aliases = _tied_aliases(module)
+    tied = {id(named[name]) for name in aliases}
+    done: dict[int, torch.Tensor] = {}  # a tied tensor's id -> what its first name yielded
     for name in module.state_dict().keys():
+        if name in aliases:
+            yield name, done[id(named[name])]
+            continue
         t = named[name].detach()
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         full = t.full_tensor() if isinstance(t, DTensor) else t
-        yield name, (full if device is None else full.to(device))
+        full = full if device is None else full.to(device)
+        if id(named[name]) in tied:
+            done[id(named[name])] = full
+        yield name, full
 
 
 def _tied_aliases(module: nn.Module) -> set[str]:

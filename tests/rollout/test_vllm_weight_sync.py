@@ -207,21 +207,25 @@ def bf16_engine(tiny_model_path, tiny_tokenizer):
     rollout.close()
 
 
-def test_a_bf16_engine_computes_with_the_new_weights_on_both_paths(bf16_engine, tiny_hf, prompt_batch, ref):
-    """Direct sync (in-place copies + repack) and vLLM's reload into a bf16 engine: every kernel computes with the
-    new bf16 weights, no longer with the old ones, and both paths generate the same tokens and log-probs."""
-    bf16 = lambda state: {k: v.to(torch.bfloat16) for k, v in state.items()}  # noqa: E731 - what the worker sends
-    old = bf16(tiny_hf.state_dict())
-    new = bf16(ref.perturbed_weights(tiny_hf, scale=PERTURB, seed=4))
+@pytest.mark.parametrize("sent", [torch.float32, torch.bfloat16], ids=["fp32-sent", "bf16-sent"])
+def test_a_bf16_engine_computes_with_the_new_weights_on_both_paths(bf16_engine, tiny_hf, prompt_batch, ref, sent):
+    """Direct sync (in-place copies + repack) and vLLM's reload into a bf16 engine, sent fp32 (a one-rank CPU actor:
+    the engine casts) or bf16 (a sharded actor casts before its gather): every kernel computes with the new weights
+    rounded to bf16, no longer with the old ones, and both paths generate the same tokens and log-probs."""
+    assert bf16_engine.casts_weights
+    as_sent = lambda state: {k: v.to(sent) for k, v in state.items()}  # noqa: E731
+    as_engine = lambda state: {k: v.to(torch.bfloat16) for k, v in state.items()}  # noqa: E731
+    old = as_sent(tiny_hf.state_dict())
+    new = as_sent(ref.perturbed_weights(tiny_hf, scale=PERTURB, seed=4))
     outputs = {}
     for path in ("reload", "direct"):
         bf16_engine.sync_path = path
         bf16_engine.update_weights(old.items())
         bf16_engine.update_weights(new.items())
-        errors = _kernel_errors(bf16_engine, new)
+        errors = _kernel_errors(bf16_engine, as_engine(new))
         assert {"lm_head", "model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj"} <= set(errors)
         assert max(errors.values()) < BF16_KERNEL_ATOL, (path, errors)
-        assert min(_kernel_errors(bf16_engine, old).values()) > 5 * BF16_KERNEL_ATOL, path
+        assert min(_kernel_errors(bf16_engine, as_engine(old)).values()) > 5 * BF16_KERNEL_ATOL, path
         outputs[path] = _greedy(bf16_engine, prompt_batch)
     bf16_engine.sync_path = "direct"
     assert torch.equal(outputs["direct"].response_ids, outputs["reload"].response_ids)

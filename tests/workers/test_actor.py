@@ -276,6 +276,9 @@ def test_state_dict_stream_and_hf_export(tiny_model_path, tmp_path):
         torch.testing.assert_close(tensor, expected[name], atol=0, rtol=0, msg=name)
     bf16 = dict(fsdp.iter_full_state_dict(worker.actor.module.hf, dtype=torch.bfloat16))
     assert all(t.dtype == torch.bfloat16 for t in bf16.values())
+    # the tied pair is one tensor however it is cast: the engine's sync copies it once
+    assert bf16["lm_head.weight"] is bf16["model.embed_tokens.weight"]
+    assert streamed["lm_head.weight"].data_ptr() == streamed["model.embed_tokens.weight"].data_ptr()
 
     out = tmp_path / "hf"
     worker.update_actor(_ppo_batch(tiny_model_path, seed=8))  # export trained weights, not the checkpoint's
