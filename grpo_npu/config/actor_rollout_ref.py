@@ -257,8 +257,7 @@ class RolloutConfig:
     response_length: Optional[int] = None
     """Generated tokens (None: data.max_response_length)."""
     dtype: str = choice("auto", DTYPE_NAMES)
-    """vLLM engine dtype (auto: bfloat16 on NPU/GPU and on CPUs with AVX512-BF16 or AMX, float32 on other CPUs).
-    The hf rollout generates with the actor's module, in its compute dtype: leave this auto there."""
+    """vLLM engine dtype (auto: bfloat16 on NPU/GPU and on CPUs with AVX512-BF16 or AMX, float32 on other CPUs; the hf rollout takes auto only)."""
     gpu_memory_utilization: float = 0.5
     """Fraction of device memory vLLM may use for weights and KV cache."""
     ignore_eos: bool = False
