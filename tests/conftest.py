@@ -26,14 +26,20 @@ def _no_process_malloc_changes(monkeypatch):
 def _have(kind: str) -> bool:
     from grpo_npu import device
 
+    if kind == "cpu_bf16":
+        return device.cpu_has_bf16_dot_products()
     return device.is_npu_available() if kind == "npu" else device.is_cuda_available()
 
 
+_NEEDS = {"npu": "an NPU device", "cuda": "a CUDA device",
+          "cpu_bf16": "a CPU with AVX512-BF16 or AMX (where the vLLM engine's auto dtype is bf16)"}
+
+
 def pytest_collection_modifyitems(config, items):
-    for kind in ("npu", "cuda"):
+    for kind, what in _NEEDS.items():
         if _have(kind):
             continue
-        skip = pytest.mark.skip(reason=f"needs a {kind.upper()} device")
+        skip = pytest.mark.skip(reason=f"needs {what}")
         for item in items:
             if kind in item.keywords:
                 item.add_marker(skip)

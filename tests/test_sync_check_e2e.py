@@ -76,7 +76,8 @@ def transposed_in_sync(monkeypatch) -> None:
 # (engine, rollout.dtype, bound on the mean difference): an fp32 engine agrees with the fp32 actor to kernel order;
 # a bf16 engine (CPU auto where the CPU has bf16 dot products) to bf16 rounding, within the canary's bf16 threshold
 ENGINES = [("hf", "auto", 1e-3), pytest.param("vllm", "float32", 1e-3, marks=pytest.mark.vllm),
-           pytest.param("vllm", "bfloat16", SYNC_CHECK_THRESHOLDS["bfloat16"], marks=pytest.mark.vllm)]
+           pytest.param("vllm", "bfloat16", SYNC_CHECK_THRESHOLDS["bfloat16"],
+                        marks=[pytest.mark.vllm, pytest.mark.cpu_bf16])]
 
 
 @pytest.mark.parametrize("engine, dtype, bound", ENGINES)

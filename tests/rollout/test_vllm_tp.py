@@ -81,6 +81,7 @@ def test_greedy_tp2_equals_tp1(tp2, tp1_greedy):
 BF16_LOGP_MEAN_ATOL = 0.05  # the weight-sync canary's bf16 threshold (rollout.names.SYNC_CHECK_THRESHOLDS)
 
 
+@pytest.mark.cpu_bf16
 def test_a_bf16_tp2_engine_takes_fp32_weights_and_follows_the_actor(tiny_model_path, tmp_path, tiny_hf, ref):
     """rollout.dtype=auto on a CPU with bf16 dot products, at tp=2: the reload path casts the fp32 tensors it is
     sent; both ranks return the same samples, and the greedy tokens' log-probs are the perturbed fp32 model's to

@@ -207,6 +207,7 @@ def bf16_engine(tiny_model_path, tiny_tokenizer):
     rollout.close()
 
 
+@pytest.mark.cpu_bf16
 @pytest.mark.parametrize("sent", [torch.float32, torch.bfloat16], ids=["fp32-sent", "bf16-sent"])
 def test_a_bf16_engine_computes_with_the_new_weights_on_both_paths(bf16_engine, tiny_hf, prompt_batch, ref, sent):
     """Direct sync (in-place copies + repack) and vLLM's reload into a bf16 engine, sent fp32 (a one-rank CPU actor:
