@@ -87,17 +87,22 @@ class HybridWorker:
         if cfg.trainer.deterministic:
             make_deterministic()  # before any model, kernel handle or engine exists in this process
         fused = fused_kernels_on(model, dev)
-        onednn = onednn_linear_on(model, dev)  # the critic shares it: one switch for the CPU matmul path
+        self.lora = lora.LoraSettings.of(model)
+        dtypes = {"actor": compute_dtype_of(model, arr.actor.fsdp_config, dev)}  # of the models built below
+        if d.use_reference and self.lora is None:
+            dtypes["ref"] = compute_dtype_of(model, arr.ref.fsdp_config, dev)
+        if d.use_critic:
+            dtypes["critic"] = compute_dtype_of(model, cfg.critic.model.fsdp_config, dev)
+        onednn = onednn_linear_on(model, dev, dtypes.values())  # one switch for the CPU matmul path
         share = share_prompt_prefix_on(model, dev)
         compiled = compile_layers_on(model, dev, onednn_linear=onednn)  # actor, reference and critic alike
         if self.rank == 0:  # the auto (None) values resolved for this device: what the run actually does
             log.info("model: use_fused_kernels=%s share_prompt_prefix=%s use_onednn_linear=%s compile_layers=%s on %s",
                      fused, share, onednn, compiled, dev.kind)
-        self.lora = lora.LoraSettings.of(model)
         actor_module = build_sharded(
             CausalLMLogProbs, path=model.path, override_config=dict(model.override_config),
             trust_remote_code=model.trust_remote_code, fsdp_cfg=arr.actor.fsdp_config, dev=dev,
-            compute_dtype=compute_dtype_of(model, arr.actor.fsdp_config, dev), trainable=True,
+            compute_dtype=dtypes["actor"], trainable=True,
             gradient_checkpointing=model.enable_gradient_checkpointing, fused_kernels=fused, seed=cfg.trainer.seed,
             shared_prefix=share, remove_padding=model.use_remove_padding, onednn_linear=onednn,
             lora=self.lora, compile_layers=compiled,
@@ -114,7 +119,7 @@ class HybridWorker:
             ref_module = build_sharded(
                 CausalLMLogProbs, path=model.path, override_config=dict(model.override_config),
                 trust_remote_code=model.trust_remote_code, fsdp_cfg=arr.ref.fsdp_config, dev=dev,
-                compute_dtype=compute_dtype_of(model, arr.ref.fsdp_config, dev), trainable=False,
+                compute_dtype=dtypes["ref"], trainable=False,
                 gradient_checkpointing=False, fused_kernels=fused, seed=cfg.trainer.seed,
                 shared_prefix=share, remove_padding=model.use_remove_padding, onednn_linear=onednn,
                 compile_layers=compiled,
@@ -127,7 +132,7 @@ class HybridWorker:
             critic_module = build_sharded(
                 ValueHead, path=cm.path or model.path, override_config=dict(cm.override_config),
                 trust_remote_code=cm.trust_remote_code, fsdp_cfg=cm.fsdp_config, dev=dev,
-                compute_dtype=compute_dtype_of(model, cm.fsdp_config, dev), trainable=True,
+                compute_dtype=dtypes["critic"], trainable=True,
                 gradient_checkpointing=cm.enable_gradient_checkpointing, fused_kernels=fused, value_head=True,
                 seed=cfg.trainer.seed, remove_padding=cm.use_remove_padding, onednn_linear=onednn,
                 compile_layers=compiled,

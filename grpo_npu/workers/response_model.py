@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -272,9 +272,18 @@ def compile_layers_on(model_cfg: ModelConfig, dev: Device, *, onednn_linear: boo
     return True
 
 
-def onednn_linear_on(model_cfg: ModelConfig, dev: Device) -> bool:
-    """model.use_onednn_linear, where None means on for CPU and off elsewhere (oneDNN's matmul is a CPU kernel)."""
-    return model_cfg.use_onednn_linear if model_cfg.use_onednn_linear is not None else dev.kind == "cpu"
+def onednn_linear_on(model_cfg: ModelConfig, dev: Device, compute_dtypes: Iterable[torch.dtype]) -> bool:
+    """model.use_onednn_linear: None means on where it applies, an fp32 CPU run (``compute_dtypes``: of every
+    model the worker builds; the op is oneDNN's fp32 CPU matmul). An explicit True elsewhere is refused in
+    one line: the op would leave every product to torch's default path."""
+    dtypes = sorted({str(d).removeprefix("torch.") for d in compute_dtypes})
+    fits = dev.kind == "cpu" and dtypes == ["float32"]
+    if model_cfg.use_onednn_linear is None:
+        return fits
+    if model_cfg.use_onednn_linear and not fits:
+        raise ValueError(f"actor_rollout_ref.model.use_onednn_linear=True: oneDNN's linear is an fp32 CPU matmul and "
+                         f"this run computes in {'/'.join(dtypes)} on {dev.kind}; leave it null (auto) or set False")
+    return model_cfg.use_onednn_linear
 
 
 def keep_last_layer_activations(layers: list[nn.Module]) -> bool:

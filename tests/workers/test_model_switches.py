@@ -16,9 +16,8 @@ from grpo_npu.workers.response_model import engine_dtype_of, fused_kernels_on, o
 
 from .helpers import make_batch, make_cfg, make_worker
 
-AUTO_ON = {fused_kernels_on: ("npu", "cuda"), share_prompt_prefix_on: ("cpu",), onednn_linear_on: ("cpu",)}
-KEYS = {fused_kernels_on: "use_fused_kernels", share_prompt_prefix_on: "share_prompt_prefix",
-        onednn_linear_on: "use_onednn_linear"}
+AUTO_ON = {fused_kernels_on: ("npu", "cuda"), share_prompt_prefix_on: ("cpu",)}
+KEYS = {fused_kernels_on: "use_fused_kernels", share_prompt_prefix_on: "share_prompt_prefix"}
 
 
 def _model(**values):
@@ -34,6 +33,23 @@ def test_auto_is_on_for_one_device_kind_and_explicit_values_win(switch, kind):
     assert switch(_model(), Device(kind)) is (kind in AUTO_ON[switch])
     for value in (True, False):
         assert switch(_model(**{key: value}), Device(kind)) is value
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda", "npu"], ids=lambda k: f"kind_{k}")
+def test_onednn_linear_is_auto_on_for_fp32_cpu_runs_and_an_explicit_true_elsewhere_is_refused(kind):
+    fp32, mixed = [torch.float32, torch.float32], [torch.float32, torch.bfloat16]
+    assert _model().use_onednn_linear is None  # the schema default is auto
+    assert onednn_linear_on(_model(), Device(kind), fp32) is (kind == "cpu")
+    assert onednn_linear_on(_model(), Device(kind), mixed) is False  # a bf16 model: oneDNN's op is fp32 only
+    assert onednn_linear_on(_model(use_onednn_linear=False), Device(kind), fp32) is False
+    for dtypes in (fp32, mixed):
+        if kind == "cpu" and dtypes is fp32:
+            assert onednn_linear_on(_model(use_onednn_linear=True), Device(kind), dtypes) is True
+            continue
+        names = "bfloat16/float32" if dtypes is mixed else "float32"  # sorted
+        want = rf"^actor_rollout_ref.model.use_onednn_linear=True: .* computes in {names} on {kind}; leave it null"
+        with pytest.raises(ValueError, match=want):
+            onednn_linear_on(_model(use_onednn_linear=True), Device(kind), dtypes)
 
 
 @pytest.mark.parametrize("bf16_host", [True, False])
