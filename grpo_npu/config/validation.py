@@ -99,6 +99,9 @@ def validate(cfg: Config) -> None:
         require("all-linear" not in model.target_modules or len(model.target_modules) == 1,
                 f"actor_rollout_ref.model.target_modules={list(model.target_modules)}: all-linear stands alone "
                 "(or list module names)")
+    require(model.lora.merge is not True or (model.lora_rank > 0 and rollout.name == "vllm"),
+            "actor_rollout_ref.model.lora.merge=True needs LoRA (model.lora_rank > 0) and rollout.name=vllm: it "
+            "chooses how a LoRA actor's weights reach the vLLM engine (the hf rollout generates with the actor itself)")
     require(alg.kl_penalty not in ("full",), "algorithm.kl_penalty=full is not defined for token log-probs")
 
     # DAPO

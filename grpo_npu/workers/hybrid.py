@@ -31,7 +31,8 @@ from grpo_npu.workers import fsdp, lora
 from grpo_npu.workers.actor import Actor, Policy
 from grpo_npu.workers.critic import Critic, ValueHead
 from grpo_npu.workers.response_model import (CausalLMLogProbs, build_sharded, compile_layers_on, compute_dtype_of,
-                                             engine_dtype_of, fused_kernels_on, onednn_linear_on, share_prompt_prefix_on)
+                                             engine_dtype_of, fused_kernels_on, lora_merge_on, onednn_linear_on,
+                                             share_prompt_prefix_on)
 from grpo_npu.workers.update_loop import params_on
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ class HybridWorker:
             arr.rollout, device=self.dev, model_path=arr.model.path, prompt_length=self.derived.prompt_length,
             response_length=self.derived.response_length, pad_token_id=pad, eos_token_ids=eos_ids(tok, arr.model.path),
             module=self.actor.module, trust_remote_code=arr.model.trust_remote_code,
-            lora_adapter=lora.peft_config_dict(self.actor.module.hf) if self.lora is not None else None,
+            lora_adapter=lora.peft_config_dict(self.actor.module.hf) if self.takes_adapters_by_config() else None,
         )
         self.ledger = MemoryLedger(self.dev)
         sc = arr.rollout.sync_check
@@ -180,6 +181,14 @@ class HybridWorker:
     def engine_dtype(self) -> torch.dtype:
         """The dtype the engine runs (and receives weights) in (``response_model.engine_dtype_of``)."""
         return engine_dtype_of(self.cfg.actor_rollout_ref, self.dev)
+
+    def takes_adapters_by_config(self) -> bool:
+        """LoRA with the engine's LoRA on (model.lora.merge off: verl's default, and auto off CPU). Merged, the
+        engine is built without LoRA and each sync sends the merged weights (docs/lora.md)."""
+        merge = lora_merge_on(self.cfg.actor_rollout_ref.model, self.dev)
+        if self.lora is not None and merge and self.rank == 0 and self.cfg.actor_rollout_ref.rollout.name == "vllm":
+            log.info("LoRA: model.lora.merge on: the engine runs without LoRA; each sync sends W + alpha/r x B A")
+        return self.lora is not None and not merge
 
     def takes_adapters(self) -> bool:
         """LoRA with an engine that takes adapters (grpo_npu/rollout/vllm_lora.py); else it takes whole weights."""

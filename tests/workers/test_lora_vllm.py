@@ -26,7 +26,8 @@ VLLM = ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=
         "actor_rollout_ref.rollout.max_num_seqs=16",
         "actor_rollout_ref.rollout.max_num_batched_tokens=256",
         "+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=67108864",
-        "actor_rollout_ref.rollout.sync_check.first_syncs=100")  # the canary checks every sync here
+        "actor_rollout_ref.rollout.sync_check.first_syncs=100",  # the canary checks every sync here
+        "actor_rollout_ref.model.lora.merge=False")  # adapters in the engine (auto merges on CPU): the path tested here
 LOGP_ATOL = 2e-4  # fp32 engine vs fp32 actor: different kernels and summation orders
 SAMPLING = SamplingConfig(n=1, temperature=0.0, do_sample=False, max_new_tokens=4, ignore_eos=True)
 
@@ -154,24 +155,57 @@ def test_the_canary_bisects_to_a_wrong_adapter_tensor(worker, monkeypatch):
         _sync(worker, step=3)
 
 
-def test_a_vllm_without_tensor_adapters_gets_merged_weights(tiny_model_path, monkeypatch):
+@pytest.fixture
+def own_process_group():
+    """A process group for one test: closing an in-process vLLM engine tears the default group down."""
+    import torch.distributed as dist
+
+    from grpo_npu.device import get_device
+    from grpo_npu.workers import fsdp
+
+    if not dist.is_initialized():
+        fsdp.init_distributed(get_device("cpu"), rank=0, world_size=1, master_addr="127.0.0.1",
+                              master_port=fsdp.free_port())
+    yield
+
+
+@pytest.mark.usefixtures("own_process_group")
+@pytest.mark.parametrize("why", ["lora.merge=True", "a vLLM without tensor adapters"])
+def test_merged_weights_reach_an_engine_without_lora(tiny_model_path, monkeypatch, why):
+    """Merged sync (W + alpha/r x B A under the base names, the whole model each sync): asked for with verl's
+    model.lora.merge=True, or forced by a vLLM that cannot build an adapter from tensors."""
     from grpo_npu.rollout import vllm_lora
 
-    class OldLoRAModel:  # vLLM 0.6's signature: rank and alpha, no peft_helper
-        @classmethod
-        def from_lora_tensors(cls, lora_model_id, rank, lora_alpha, tensors, device="cuda", dtype=None):
-            raise AssertionError("not called")
+    keys = [*LORA, *VLLM]
+    if why == "lora.merge=True":
+        keys.append("actor_rollout_ref.model.lora.merge=True")
+    else:
+        class OldLoRAModel:  # vLLM 0.6's signature: rank and alpha, no peft_helper
+            @classmethod
+            def from_lora_tensors(cls, lora_model_id, rank, lora_alpha, tensors, device="cuda", dtype=None):
+                raise AssertionError("not called")
 
-    monkeypatch.setattr(vllm_lora, "_lora_model_class", lambda: OldLoRAModel)
-    assert "lacks ['peft_helper']" in vllm_lora.adapters_unsupported()
-    merged = make_worker(make_cfg(tiny_model_path, *LORA, *VLLM), with_rollout=True)
+        monkeypatch.setattr(vllm_lora, "_lora_model_class", lambda: OldLoRAModel)
+        assert "lacks ['peft_helper']" in vllm_lora.adapters_unsupported()
+    merged = make_worker(make_cfg(tiny_model_path, *keys), with_rollout=True)
     try:
         assert not merged.takes_adapters() and merged.rollout.adapter_sync is None
+        assert merged.rollout.llm.llm_engine.vllm_config.lora_config is None  # vLLM's LoRA layers are off
         assert not any(".lora_" in n or ".base_layer" in n for n, _ in merged.rollout_weights())
-        _trained(merged, seed=4)
-        metrics = _sync(merged, step=1)  # the canary compares the merged engine with the adapted actor
-        assert metrics["rollout/sync_check/logprob_diff_mean"] < 1e-4
-        engine, actor = _engine_and_actor(merged, _probe(make_batch(seed=5)))
-        torch.testing.assert_close(engine, actor, atol=LOGP_ATOL, rtol=0)
+        seqs = _probe(make_batch(seed=5))
+        before = None
+        for step, seed in ((1, 4), (2, 6)):  # the engine follows the adapters through two syncs
+            _trained(merged, seed=seed)
+            if step == 2:  # and a change it cannot miss
+                with torch.no_grad():
+                    for name, p in merged.actor.module.hf.named_parameters():
+                        if name.endswith(f"lora_B.{lora.ADAPTER_NAME}.weight"):
+                            p.mul_(3.0)
+            metrics = _sync(merged, step=step)  # the canary compares the merged engine with the adapted actor
+            assert metrics["rollout/sync_check/logprob_diff_mean"] < 1e-4
+            engine, actor = _engine_and_actor(merged, seqs)
+            torch.testing.assert_close(engine, actor, atol=LOGP_ATOL, rtol=0)
+            assert before is None or (engine - before).abs().max() > 50 * LOGP_ATOL
+            before = engine
     finally:
         merged.close()

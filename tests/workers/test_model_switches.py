@@ -12,7 +12,8 @@ import torch
 
 from grpo_npu.config import load_config
 from grpo_npu.device import Device
-from grpo_npu.workers.response_model import engine_dtype_of, fused_kernels_on, onednn_linear_on, share_prompt_prefix_on
+from grpo_npu.workers.response_model import (engine_dtype_of, fused_kernels_on, lora_merge_on, onednn_linear_on,
+                                             share_prompt_prefix_on)
 
 from .helpers import make_batch, make_cfg, make_worker
 
@@ -33,6 +34,17 @@ def test_auto_is_on_for_one_device_kind_and_explicit_values_win(switch, kind):
     assert switch(_model(), Device(kind)) is (kind in AUTO_ON[switch])
     for value in (True, False):
         assert switch(_model(**{key: value}), Device(kind)) is value
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda", "npu"], ids=lambda k: f"kind_{k}")
+def test_lora_merge_is_auto_on_for_cpu_and_explicit_values_win(kind):
+    lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.name=vllm"]
+    base = ["actor_rollout_ref.model.path=/tmp/tiny", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", *lora]
+    assert load_config(base).actor_rollout_ref.model.lora.merge is None  # the schema default is auto
+    assert lora_merge_on(load_config(base).actor_rollout_ref.model, Device(kind)) is (kind == "cpu")
+    for value in (True, False):
+        model = load_config(base + [f"actor_rollout_ref.model.lora.merge={value}"]).actor_rollout_ref.model
+        assert lora_merge_on(model, Device(kind)) is value
 
 
 @pytest.mark.parametrize("kind", ["cpu", "cuda", "npu"], ids=lambda k: f"kind_{k}")
