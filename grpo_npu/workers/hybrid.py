@@ -151,11 +151,17 @@ class HybridWorker:
         tok = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or arr.model.path,
                                             trust_remote_code=arr.model.trust_remote_code)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        # LoRA: vLLM's LoRA layers and adapter syncs, or (model.lora.merge) an engine without LoRA taking the
+        # merged weights W + alpha/r x B A each sync (docs/lora.md)
+        merged = self.lora is not None and lora_merge_on(arr.model, self.dev)
+        if merged and self.rank == 0 and arr.rollout.name == "vllm":
+            log.info("LoRA: model.lora.merge on: the engine runs without LoRA; each sync sends W + alpha/r x B A")
+        adapters = self.lora is not None and not merged
         self.rollout = build_rollout(
             arr.rollout, device=self.dev, model_path=arr.model.path, prompt_length=self.derived.prompt_length,
             response_length=self.derived.response_length, pad_token_id=pad, eos_token_ids=eos_ids(tok, arr.model.path),
             module=self.actor.module, trust_remote_code=arr.model.trust_remote_code,
-            lora_adapter=lora.peft_config_dict(self.actor.module.hf) if self.takes_adapters_by_config() else None,
+            lora_adapter=lora.peft_config_dict(self.actor.module.hf) if adapters else None,
         )
         self.ledger = MemoryLedger(self.dev)
         sc = arr.rollout.sync_check
@@ -181,14 +187,6 @@ class HybridWorker:
     def engine_dtype(self) -> torch.dtype:
         """The dtype the engine runs (and receives weights) in (``response_model.engine_dtype_of``)."""
         return engine_dtype_of(self.cfg.actor_rollout_ref, self.dev)
-
-    def takes_adapters_by_config(self) -> bool:
-        """LoRA with the engine's LoRA on (model.lora.merge off: verl's default, and auto off CPU). Merged, the
-        engine is built without LoRA and each sync sends the merged weights (docs/lora.md)."""
-        merge = lora_merge_on(self.cfg.actor_rollout_ref.model, self.dev)
-        if self.lora is not None and merge and self.rank == 0 and self.cfg.actor_rollout_ref.rollout.name == "vllm":
-            log.info("LoRA: model.lora.merge on: the engine runs without LoRA; each sync sends W + alpha/r x B A")
-        return self.lora is not None and not merge
 
     def takes_adapters(self) -> bool:
         """LoRA with an engine that takes adapters (grpo_npu/rollout/vllm_lora.py); else it takes whole weights."""

@@ -15,6 +15,15 @@ PAD_ID = 0
 PROMPT_LEN, RESPONSE_LEN, ROWS = 7, 9, 8
 
 
+def start_process_group() -> bool:
+    """A world-size-1 gloo process group for in-process workers; False if one is already up."""
+    from grpo_npu.device import get_device
+    from grpo_npu.workers import fsdp
+
+    return fsdp.init_distributed(get_device("cpu"), rank=0, world_size=1, master_addr="127.0.0.1",
+                                 master_port=fsdp.free_port())
+
+
 def make_cfg(model_path: str, *overrides: str, world_size: int = 1):
     """A GRPO config on the tiny model: 4 prompts x 2 responses, one mini-batch per step, fp32 on CPU."""
     base = [

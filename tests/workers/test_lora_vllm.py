@@ -15,7 +15,7 @@ from grpo_npu.errors import SyncMismatch
 from grpo_npu.rollout.base import SamplingConfig
 from grpo_npu.workers import lora
 
-from .helpers import make_batch, make_cfg, make_worker
+from .helpers import make_batch, make_cfg, make_worker, start_process_group
 from .test_lora import LORA, _trained
 
 pytest.importorskip("vllm")
@@ -71,6 +71,14 @@ def _sync(worker, step: int):
     return worker.generate(batch.prompt_ids, batch.prompt_mask, SAMPLING, step=step).metrics
 
 
+def _scale_lora_b(hf, factor: float) -> None:
+    """Multiply every adapter's B in place: a change of the adapted model no sync can miss."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(f"lora_B.{lora.ADAPTER_NAME}.weight"):
+                p.mul_(factor)
+
+
 def _engine_and_actor(worker, seqs):
     engine = torch.cat(worker.rollout.prompt_logprobs(seqs))
     actor = torch.cat(worker.actor.teacher_forced(seqs))
@@ -107,10 +115,7 @@ def test_adapter_sync_matches_the_actor_and_sends_the_base_once(worker):
 
     # Change the adapters: the second sync sends them alone, and the engine follows.
     _trained(worker, seed=2)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith(f"lora_B.{lora.ADAPTER_NAME}.weight"):
-                p.mul_(3.0)
+    _scale_lora_b(hf, 3.0)
     metrics = _sync(worker, step=2)
     second = worker.recorded.syncs[-1]
     assert sorted(second) == sorted(adapter_names)  # no base tensor re-sent
@@ -158,14 +163,7 @@ def test_the_canary_bisects_to_a_wrong_adapter_tensor(worker, monkeypatch):
 @pytest.fixture
 def own_process_group():
     """A process group for one test: closing an in-process vLLM engine tears the default group down."""
-    import torch.distributed as dist
-
-    from grpo_npu.device import get_device
-    from grpo_npu.workers import fsdp
-
-    if not dist.is_initialized():
-        fsdp.init_distributed(get_device("cpu"), rank=0, world_size=1, master_addr="127.0.0.1",
-                              master_port=fsdp.free_port())
+    start_process_group()
     yield
 
 
@@ -197,10 +195,7 @@ def test_merged_weights_reach_an_engine_without_lora(tiny_model_path, monkeypatc
         for step, seed in ((1, 4), (2, 6)):  # the engine follows the adapters through two syncs
             _trained(merged, seed=seed)
             if step == 2:  # and a change it cannot miss
-                with torch.no_grad():
-                    for name, p in merged.actor.module.hf.named_parameters():
-                        if name.endswith(f"lora_B.{lora.ADAPTER_NAME}.weight"):
-                            p.mul_(3.0)
+                _scale_lora_b(merged.actor.module.hf, 3.0)
             metrics = _sync(merged, step=step)  # the canary compares the merged engine with the adapted actor
             assert metrics["rollout/sync_check/logprob_diff_mean"] < 1e-4
             engine, actor = _engine_and_actor(merged, seqs)
