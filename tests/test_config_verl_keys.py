@@ -111,6 +111,28 @@ def test_hydra_prefixes_behave_as_in_verl(tmp_path):
         load_config(BASE + ["+data.no_such_key=1"])
 
 
+@pytest.mark.parametrize("value, expected", [
+    ("{rms_norm:[native],fused_add_rms_norm:[native]}", {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}),
+    ("{a:1}", {"a": 1}),  # YAML alone reads this as the key 'a:1' with no value
+    ("{a: 1, b: [x, y]}", {"a": 1, "b": ["x", "y"]}),  # YAML's own spacing still reads the same
+    ("{a:{b:2},c:true}", {"a": {"b": 2}, "c": True}),
+    ("{url:http://h:80/x}", {"url": "http://h:80/x"}),  # only the key's colon separates
+    ("{a:'x:y,z'}", {"a": "x:y,z"}),  # quoted text untouched
+    ("[1,2,3]", [1, 2, 3]),
+])
+def test_hydra_dict_and_list_values_read_as_in_verl(value, expected):
+    cfg = load_config(BASE + [f"+actor_rollout_ref.rollout.engine_kwargs.vllm.k={value}"])
+    assert to_dict(cfg)["actor_rollout_ref"]["rollout"]["engine_kwargs"]["vllm"]["k"] == expected
+
+
+def test_an_unreadable_value_is_one_line_naming_the_item():
+    item = "+actor_rollout_ref.rollout.engine_kwargs.vllm.k={a:[x"
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.engine_kwargs\.vllm\.k=\{a:\[x: cannot read the "
+                                          r"value \(while parsing a flow sequence\)") as err:
+        load_config(BASE + [item])
+    assert "\n" not in str(err.value)
+
+
 def test_verl_builtin_config_names():
     default = load_config(BASE)
     for name in ("ppo_trainer", "ppo_trainer.yaml"):

@@ -18,12 +18,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from grpo_npu.config.keys import all_keys, iter_keys, schema_node, suggest
 from grpo_npu.config.schema import Config
-from grpo_npu.config.support import alias, check_schema_values, check_verl_value, known_to_verl
+from grpo_npu.config.support import alias, check_schema_values, check_verl_value, hydra_flow_to_yaml, known_to_verl
 from grpo_npu.config.validation import validate
 from grpo_npu.config.verl_keys import VERL_VERSION, free_dict_parent, in_base_config, is_verl_key, is_verl_section
 from grpo_npu.errors import ConfigError
@@ -94,13 +95,17 @@ def read_overrides(items: list[str]) -> Overrides:
         prefix = "++" if key.startswith("++") else "+" if key.startswith("+") else ""
         where, key = _classify(key[len(prefix):], value, prefix)
         if where == "schema":
-            values[key] = _quoted_if_text(key, value)
+            values[key] = value
         else:
             verl_only[key] = value
-    try:
-        tree = OmegaConf.from_dotlist([f"{k}={v}" for k, v in values.items()])
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot parse overrides: {exc}") from None
+    tree = OmegaConf.create()
+    for key, value in values.items():
+        try:
+            tree.merge_with(OmegaConf.from_dotlist([f"{key}={_quoted_if_text(key, hydra_flow_to_yaml(value))}"]))
+        except (OmegaConfBaseException, yaml.YAMLError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"{key}={value}: cannot read the value ({first}); Hydra's forms: 1, text, "
+                              "[a,b], {k:v,k2:[a,b]}; quote text with commas or brackets") from None
     return Overrides(tree, list(verl_only.items()), deleted)
 
 

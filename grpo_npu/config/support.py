@@ -197,10 +197,43 @@ def alias(key: str) -> str:
     return rule.target
 
 
+def hydra_flow_to_yaml(text: str) -> str:
+    """Hydra's dict values in YAML's flow syntax: ``{a:1,b:[x]}`` -> ``{a: 1,b: [x]}``.
+
+    Hydra separates a dict key from its value by a bare colon; YAML needs a space after it, and without one
+    reads ``{a:1}`` as the key ``'a:1'`` and ``{a:[x]}`` not at all. Only the first colon after a key of a
+    ``{...}`` is touched (a value keeps its own: ``{url:http://h}``); quoted text is left alone."""
+    out: list[str] = []
+    brackets: list[str] = []
+    quote = ""
+    at_key = False
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "{[":
+            brackets.append(ch)
+            at_key = ch == "{"
+        elif ch in "}]":
+            if brackets:
+                brackets.pop()
+            at_key = False
+        elif ch == ",":
+            at_key = bool(brackets) and brackets[-1] == "{"
+        elif ch == ":" and at_key:
+            out.append(": ")
+            at_key = False
+            continue
+        out.append(ch)
+    return "".join(out)
+
+
 def parse_value(text: str) -> Any:
-    """A command-line value as Hydra reads it (``True`` -> True, ``null`` -> None, ``[a,b]`` -> a list)."""
+    """A command-line value as Hydra reads it (``True`` -> True, ``null`` -> None, ``[a,b]`` -> a list,
+    ``{a:1}`` -> a dict)."""
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = yaml.safe_load(hydra_flow_to_yaml(text)) if text.strip() else ""
     except yaml.YAMLError:
         return text
     if isinstance(value, str):  # YAML 1.1 reads 1e-08 as text; Hydra as a float
