@@ -60,6 +60,7 @@ import torch
 from grpo_npu import compat
 from grpo_npu.config import RolloutConfig
 from grpo_npu.device import Device, cpu_has_bf16_dot_products
+from grpo_npu.rollout import vllm_cpu_norm
 from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, pack_responses, unpad_prompts
 from grpo_npu.rollout.vllm_cpu_sync import direct_sync_unsupported
 from grpo_npu.rollout.vllm_lora import AdapterSync, engine_adapter_sync, lora_engine_kwargs
@@ -328,7 +329,8 @@ def build_vllm_rollout(
                     cfg.dtype)
     kwargs = vllm_engine_kwargs(cfg, model_path=model_path, device_kind=device.kind, prompt_length=prompt_length,
                                 response_length=response_length, sleep_mode=sleep_mode, engine_dtype=engine_dtype,
-                                trust_remote_code=trust_remote_code, logprobs_mode=stack.vllm_logprobs_mode)
+                                trust_remote_code=trust_remote_code, logprobs_mode=stack.vllm_logprobs_mode,
+                                cpu_norm_kernels=device.kind == "cpu" and vllm_cpu_norm.register())
     adapter_sync = engine_adapter_sync(lora_adapter)
     if adapter_sync is not None:
         kwargs.update(lora_engine_kwargs(lora_adapter))

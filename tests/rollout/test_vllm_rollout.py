@@ -65,6 +65,17 @@ def test_engine_build_keeps_the_callers_rng_and_thread_setter(engine):
     assert not engine.sleeps  # no sleep mode on CPU
 
 
+def test_an_eager_cpu_engine_normalises_with_vllm_cpus_compiled_kernels(engine):
+    """The engine's worker installed the priority it was given (the greedy and log-prob tests below run on it)."""
+    from vllm import ir
+
+    from grpo_npu.rollout.vllm_cpu_norm import PROVIDER
+
+    hidden = torch.randn(3, 64)
+    assert ir.ops.rms_norm.dispatch(hidden, torch.ones(64), 1e-6).provider == PROVIDER
+    assert ir.ops.fused_add_rms_norm.dispatch(hidden, hidden.clone(), torch.ones(64), 1e-6).provider == PROVIDER
+
+
 def test_greedy_matches_transformers_after_the_first_sync(engine, cpu, tiny_hf, hf_rollout, prompt_batch, ref):
     sampling = SamplingConfig(do_sample=False, max_new_tokens=12, return_logprobs=True)
     out = _step(engine, cpu, tiny_hf.state_dict(), prompt_batch, sampling)
