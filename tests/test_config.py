@@ -183,11 +183,27 @@ def test_command_line_forms(tmp_path, capsys):
 def test_free_form_dicts_need_plus():
     cfg = load_config(BASE[:1] + BASE[2:] + ["trainer.n_gpus_per_node=1",
                       "+actor_rollout_ref.model.override_config.attn_implementation=eager",
-                      "+actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4"])
+                      "+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=4"])
     assert cfg.actor_rollout_ref.model.override_config["attn_implementation"] == "eager"
-    assert cfg.actor_rollout_ref.rollout.engine_kwargs["vllm"]["swap_space"] == 4
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs["vllm"]["max_logprobs"] == 4
     with pytest.raises(ConfigError, match=r"write \+actor_rollout_ref\.model\.override_config\.x=1"):
         load_config(BASE + ["actor_rollout_ref.model.override_config.x=1"])
+
+
+@pytest.mark.parametrize("items, message", [
+    (["+actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=fa3"],
+     r"^actor_rollout_ref\.rollout\.engine_kwargs\.sglang\.attention_backend: rollout\.name=vllm reads "
+     r"engine_kwargs\.vllm only; remove it$"),
+    (["actor_rollout_ref.rollout.name=hf", "+actor_rollout_ref.rollout.engine_kwargs.vllm.block_size=64"],
+     r"^actor_rollout_ref\.rollout\.engine_kwargs\.vllm\.block_size: rollout\.name=hf takes no engine arguments"),
+    (["actor_rollout_ref.rollout.engine_kwargs.vllm=3"],
+     r"^actor_rollout_ref\.rollout\.engine_kwargs\.vllm=3: expected a mapping of engine arguments"),
+])
+def test_engine_arguments_no_engine_reads_are_refused(items, message):
+    """An engine section the configured rollout never reads was accepted and ignored (sglang's beside vLLM)."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(BASE + items)
+    load_config(BASE + ["actor_rollout_ref.rollout.name=hf"])  # verl's empty sections are fine with any rollout
 
 
 def test_frozen_after_load_and_picklable():

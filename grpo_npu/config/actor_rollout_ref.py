@@ -310,7 +310,7 @@ class RolloutConfig:
     seed: int = 0
     """Base seed of the sampler (offset per rank)."""
     engine_kwargs: Dict[str, Any] = free_dict()
-    """Extra engine arguments, e.g. +actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4."""
+    """Extra vLLM engine arguments (vllm.LLM / EngineArgs names), e.g. +actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=4."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     """Sampling at validation."""
     sync_check: SyncCheckConfig = field(default_factory=SyncCheckConfig)

@@ -7,7 +7,7 @@ field are the ones the owning code declares in its torch-free ``names`` module.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 from grpo_npu.algo.names import FILTER_METRICS, ROLLOUT_IS_LEVELS, parse_rollout_rs
 from grpo_npu.config.derived import derive, require
@@ -74,6 +74,14 @@ def validate(cfg: Config) -> None:
     require(rollout.name != "hf" or rollout.dtype == "auto",
             f"actor_rollout_ref.rollout.dtype={rollout.dtype} with rollout.name=hf: that rollout generates with the "
             "actor's module in the actor's compute dtype (fsdp_config.mixed_precision.param_dtype); leave it auto")
+    for engine, section in rollout.engine_kwargs.items():
+        where = f"actor_rollout_ref.rollout.engine_kwargs.{engine}"
+        require(section is None or isinstance(section, Mapping),
+                f"{where}={section!r}: expected a mapping of engine arguments (+{where}.NAME=VALUE)")
+        require(not section or engine == rollout.name == "vllm",
+                f"{where}.{next(iter(section or {'': 0}))}: rollout.name={rollout.name} "
+                + ("takes no engine arguments (it generates with the actor's module)" if rollout.name == "hf"
+                   else "reads engine_kwargs.vllm only") + "; remove it")
     require(rollout.sleep_level in (None, 1, 2),
             f"actor_rollout_ref.rollout.sleep_level={rollout.sleep_level} must be 1, 2 or null")
     sc = rollout.sync_check

@@ -51,6 +51,7 @@ inside the functions that run the engine, so this module imports without it.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 from typing import Any, Iterable, Optional, Sequence
@@ -64,7 +65,8 @@ from grpo_npu.rollout import vllm_cpu_norm
 from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, pack_responses, unpad_prompts
 from grpo_npu.rollout.vllm_cpu_sync import direct_sync_unsupported
 from grpo_npu.rollout.vllm_lora import AdapterSync, engine_adapter_sync, lora_engine_kwargs
-from grpo_npu.rollout.vllm_settings import (LOGPROBS_MODE, check_expandable_segments, default_sleep_level,
+from grpo_npu.rollout.vllm_settings import (LOGPROBS_MODE, check_engine_arguments, check_expandable_segments,
+                                            default_sleep_level,
                                             engine_environment, sampling_params, vllm_engine_kwargs)
 from grpo_npu.rollout.vllm_weights import (SYNC_PATHS, engine_tensors, hide_benign_reload_warnings,
                                            load_weights_on_worker)
@@ -298,6 +300,18 @@ def ask_processed_logprobs(llm: Any, stack: compat.Compat) -> bool:
     return True
 
 
+def engine_arguments(llm_class: type) -> Optional[set[str]]:
+    """The keyword arguments ``llm_class`` (``vllm.LLM``) takes: its own and ``EngineArgs``' fields, which it
+    forwards; None where ``EngineArgs`` is not a dataclass (not checked then)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if not dataclasses.is_dataclass(EngineArgs):
+        return None
+    own = {name for name, p in inspect.signature(llm_class.__init__).parameters.items()
+           if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return own | {f.name for f in dataclasses.fields(EngineArgs)}
+
+
 def build_vllm_rollout(
     cfg: RolloutConfig,
     *,
@@ -327,6 +341,9 @@ def build_vllm_rollout(
     if device.kind == "cpu" and engine_dtype == torch.bfloat16 and not cpu_has_bf16_dot_products():
         log.warning("vllm rollout: rollout.dtype=%s on a CPU without AVX512-BF16/AMX: bf16 is emulated (auto: fp32)",
                     cfg.dtype)
+    accepted = engine_arguments(LLM)
+    if accepted is not None:
+        check_engine_arguments(cfg, accepted, stack.versions.get("vllm") or "?")
     kwargs = vllm_engine_kwargs(cfg, model_path=model_path, device_kind=device.kind, prompt_length=prompt_length,
                                 response_length=response_length, sleep_mode=sleep_mode, engine_dtype=engine_dtype,
                                 trust_remote_code=trust_remote_code, logprobs_mode=stack.vllm_logprobs_mode,

@@ -6,8 +6,9 @@ sleep-mode guards; :mod:`grpo_npu.rollout.vllm_rollout` builds the engine from t
 
 from __future__ import annotations
 
+import difflib
 import logging
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Mapping, Optional, Sequence
 
 from grpo_npu.config import RolloutConfig
 
@@ -174,6 +175,19 @@ def vllm_engine_kwargs(
             kwargs["ir_op_priority"] = engine_priority()
     kwargs.update(dict(cfg.engine_kwargs.get("vllm", {}) or {}))
     return kwargs
+
+
+def check_engine_arguments(cfg: RolloutConfig, accepted: Collection[str], vllm_version: str) -> None:
+    """Refuse, in one line naming the key, an ``engine_kwargs.vllm`` argument the installed vLLM does not take
+    (``accepted``: ``vllm.LLM``'s parameters and ``EngineArgs``' fields); vLLM itself would stop the worker's
+    start with a TypeError."""
+    unknown = sorted(set(cfg.engine_kwargs.get("vllm", {}) or {}) - set(accepted))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(accepted), n=3)
+        raise ValueError(
+            f"actor_rollout_ref.rollout.engine_kwargs.vllm.{unknown[0]}: not an argument of vLLM {vllm_version}'s "
+            "engine (vllm.LLM, EngineArgs)" + (f"; close: {', '.join(close)}" if close else "")
+        )
 
 
 def sampling_params(sampling: "SamplingConfig", *, n: int, seed: Optional[int], stop_token_ids: Sequence[int]):

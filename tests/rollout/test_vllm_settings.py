@@ -11,6 +11,7 @@ from grpo_npu.rollout import build_rollout, training_sampling, validation_sampli
 from grpo_npu.rollout.vllm_settings import (
     CPU_BLOCK_SIZE,
     CPU_KV_CACHE_BYTES,
+    check_engine_arguments,
     check_expandable_segments,
     default_sleep_level,
     engine_environment,
@@ -105,12 +106,35 @@ def test_enforce_eager_auto_captures_graphs_on_cuda_only(device_kind, auto):
 
 
 def test_engine_kwargs_user_overrides_and_bad_lengths():
-    kw = _kwargs("cpu", engine_kwargs={"vllm": {"kv_cache_memory_bytes": 123, "swap_space": 4, "block_size": 128}})
-    assert kw["kv_cache_memory_bytes"] == 123 and kw["swap_space"] == 4 and kw["block_size"] == 128
+    kw = _kwargs("cpu", engine_kwargs={"vllm": {"kv_cache_memory_bytes": 123, "max_logprobs": 4, "block_size": 128}})
+    assert kw["kv_cache_memory_bytes"] == 123 and kw["max_logprobs"] == 4 and kw["block_size"] == 128
     with pytest.raises(ValueError, match="max_model_len=64"):
         _kwargs("cpu", max_model_len=64)
     with pytest.raises(ValueError, match="enable_chunked_prefill=False"):
         _kwargs("cuda", enable_chunked_prefill=False, max_num_batched_tokens=100)
+
+
+def test_an_engine_argument_vllm_lacks_is_one_line_naming_it():
+    accepted = {"block_size", "max_logprobs", "kv_cache_memory_bytes"}
+    check_engine_arguments(RolloutConfig(engine_kwargs={"vllm": {"block_size": 64}}), accepted, "0.32.0")
+    check_engine_arguments(RolloutConfig(), accepted, "0.32.0")
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref\.rollout\.engine_kwargs\.vllm\.blok_size: not an argument "
+                                         r"of vLLM 0\.32\.0's engine \(vllm\.LLM, EngineArgs\); close: block_size$"):
+        check_engine_arguments(RolloutConfig(engine_kwargs={"vllm": {"blok_size": 64, "block_size": 1}}), accepted, "0.32.0")
+
+
+def test_the_installed_vllm_names_its_engine_arguments():
+    pytest.importorskip("vllm")
+    from vllm import LLM
+
+    from grpo_npu.rollout.vllm_rollout import engine_arguments
+
+    accepted = engine_arguments(LLM)
+    assert accepted is not None
+    default_kwargs = _kwargs("cpu", engine_kwargs={})
+    default_kwargs["ir_op_priority"] = {}  # given to eager CPU engines where vLLM has IR ops
+    assert set(default_kwargs) <= accepted  # every argument grpo_npu itself passes
+    assert "self" not in accepted and "kwargs" not in accepted
 
 
 def test_cpu_engine_never_splits_a_prefill():
