@@ -66,7 +66,7 @@ from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, pac
 from grpo_npu.rollout.vllm_cpu_sync import direct_sync_unsupported
 from grpo_npu.rollout.vllm_lora import AdapterSync, engine_adapter_sync, lora_engine_kwargs
 from grpo_npu.rollout.vllm_settings import (LOGPROBS_MODE, check_engine_arguments, check_expandable_segments,
-                                            default_sleep_level,
+                                            default_sleep_level, engine_refusal,
                                             engine_environment, sampling_params, vllm_engine_kwargs)
 from grpo_npu.rollout.vllm_weights import (SYNC_PATHS, engine_tensors, hide_benign_reload_warnings,
                                            load_weights_on_worker)
@@ -359,6 +359,11 @@ def build_vllm_rollout(
     device.set_expandable_segments(False)
     try:
         llm = LLM(**kwargs)
+    except ValueError as exc:
+        refusal = engine_refusal(exc, cfg)
+        if refusal is None:
+            raise
+        raise ValueError(refusal) from exc
     finally:
         device.set_rng_state(rng)
     if torch.set_num_threads is not set_num_threads:

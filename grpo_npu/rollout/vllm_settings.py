@@ -190,6 +190,25 @@ def check_engine_arguments(cfg: RolloutConfig, accepted: Collection[str], vllm_v
         )
 
 
+def engine_refusal(exc: Exception, cfg: RolloutConfig) -> Optional[str]:
+    """One line for vLLM's refusal of an engine setting (a pydantic ``ValidationError``: its config class as
+    ``title``, each error's field, message and input), naming the ``engine_kwargs.vllm`` key where the user
+    gave that field; None for any other error."""
+    errors = getattr(exc, "errors", None)
+    try:
+        first = errors(include_url=False)[0] if callable(errors) else None
+    except (TypeError, IndexError):
+        return None
+    if not isinstance(first, dict) or "msg" not in first:
+        return None
+    field = ".".join(str(part) for part in first.get("loc", ()))
+    user = cfg.engine_kwargs.get("vllm", {}) or {}
+    title = getattr(exc, "title", "EngineArgs")
+    given = (f"actor_rollout_ref.rollout.engine_kwargs.vllm.{field}={user[field]!r}" if field in user
+             else f"the engine setting {field}={first.get('input')!r}")
+    return f"{given}: vLLM refused it ({title}.{field}: {first['msg']})"
+
+
 def sampling_params(sampling: "SamplingConfig", *, n: int, seed: Optional[int], stop_token_ids: Sequence[int]):
     """A ``vllm.SamplingParams`` for one prompt (token ids in, token ids and log-probs out)."""
     from vllm import SamplingParams

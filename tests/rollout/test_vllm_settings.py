@@ -15,6 +15,7 @@ from grpo_npu.rollout.vllm_settings import (
     check_expandable_segments,
     default_sleep_level,
     engine_environment,
+    engine_refusal,
     vllm_engine_kwargs,
 )
 
@@ -121,6 +122,20 @@ def test_an_engine_argument_vllm_lacks_is_one_line_naming_it():
     with pytest.raises(ValueError, match=r"^actor_rollout_ref\.rollout\.engine_kwargs\.vllm\.blok_size: not an argument "
                                          r"of vLLM 0\.32\.0's engine \(vllm\.LLM, EngineArgs\); close: block_size$"):
         check_engine_arguments(RolloutConfig(engine_kwargs={"vllm": {"blok_size": 64, "block_size": 1}}), accepted, "0.32.0")
+
+
+def test_vllms_refusal_of_a_value_is_one_line_naming_the_key():
+    pytest.importorskip("vllm")
+    from vllm.config import CacheConfig
+
+    with pytest.raises(ValueError) as refused:  # vLLM's pydantic check, as LLM(**kwargs) meets it
+        CacheConfig(block_size="abc")
+    user = RolloutConfig(engine_kwargs={"vllm": {"block_size": "abc"}})
+    assert engine_refusal(refused.value, user) == (
+        "actor_rollout_ref.rollout.engine_kwargs.vllm.block_size='abc': vLLM refused it (CacheConfig.block_size: "
+        "Input should be a valid integer, unable to parse string as an integer)")
+    assert engine_refusal(refused.value, RolloutConfig()).startswith("the engine setting block_size='abc': vLLM refused")
+    assert engine_refusal(ValueError("something else"), user) is None  # not a settings refusal: raised as it was
 
 
 def test_the_installed_vllm_names_its_engine_arguments():
