@@ -204,6 +204,7 @@ def test_engine_arguments_no_engine_reads_are_refused(items, message):
     with pytest.raises(ConfigError, match=message):
         load_config(BASE + items)
     load_config(BASE + ["actor_rollout_ref.rollout.name=hf"])  # verl's empty sections are fine with any rollout
+    load_config(BASE + ["+actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=null"])  # null: unset
 
 
 def test_frozen_after_load_and_picklable():

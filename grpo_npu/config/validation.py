@@ -78,8 +78,9 @@ def validate(cfg: Config) -> None:
         where = f"actor_rollout_ref.rollout.engine_kwargs.{engine}"
         require(section is None or isinstance(section, Mapping),
                 f"{where}={section!r}: expected a mapping of engine arguments (+{where}.NAME=VALUE)")
-        require(not section or engine == rollout.name == "vllm",
-                f"{where}.{next(iter(section or {'': 0}))}: rollout.name={rollout.name} "
+        given = [k for k, v in (section or {}).items() if v is not None]  # null: the engine's default (verl)
+        require(not given or engine == rollout.name == "vllm",
+                f"{where}.{given[0] if given else ''}: rollout.name={rollout.name} "
                 + ("takes no engine arguments (it generates with the actor's module)" if rollout.name == "hf"
                    else "reads engine_kwargs.vllm only") + "; remove it")
     require(rollout.sleep_level in (None, 1, 2),

