@@ -42,7 +42,7 @@ def overrides(model: str, task: Path, run_dir: Path, engine: str, *extra: str) -
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.optim.lr=1e-3",
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.load_format=dummy",
-        "+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=134217728",
+        *(["+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=134217728"] if engine == "vllm" else []),
         "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.logger=['jsonl']",
         f"trainer.default_local_dir={run_dir}", "trainer.val_before_train=False", "trainer.test_freq=-1",
         "trainer.total_training_steps=3", "trainer.save_freq=-1", *extra,
