@@ -175,11 +175,11 @@ def vllm_engine_kwargs(
     if device_kind == "cpu":
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         kwargs["block_size"] = CPU_BLOCK_SIZE
-        if cpu_norm_kernels and kwargs["enforce_eager"]:
-            from grpo_npu.rollout.vllm_cpu_norm import engine_priority
+    kwargs.update(user_engine_arguments(cfg))  # the user's win, as in verl (engine_kwargs.vllm.max_model_len=...)
+    if device_kind == "cpu" and cpu_norm_kernels and kwargs["enforce_eager"]:  # eager as the engine will be built
+        from grpo_npu.rollout.vllm_cpu_norm import engine_priority
 
-            kwargs["ir_op_priority"] = engine_priority()
-    kwargs.update(user_engine_arguments(cfg))
+        kwargs.setdefault("ir_op_priority", engine_priority())
     return kwargs
 
 

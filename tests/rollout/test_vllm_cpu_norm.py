@@ -77,6 +77,8 @@ def _kwargs(device_kind, norm_kernels=True, **overrides):
 def test_only_eager_cpu_engines_are_given_the_kernels():
     assert _kwargs("cpu")["ir_op_priority"] == {"rms_norm": PRIORITY, "fused_add_rms_norm": PRIORITY}
     assert "ir_op_priority" not in _kwargs("cpu", enforce_eager=False)  # compiled: Inductor fuses the native norm
+    compiled_by_the_user = _kwargs("cpu", engine_kwargs={"vllm": {"enforce_eager": False}})  # the engine's own key
+    assert compiled_by_the_user["enforce_eager"] is False and "ir_op_priority" not in compiled_by_the_user
     assert "ir_op_priority" not in _kwargs("cpu", norm_kernels=False)  # a vLLM without the kernels or the IR
     for kind in ("cuda", "npu"):
         assert "ir_op_priority" not in _kwargs(kind, enforce_eager=True)
