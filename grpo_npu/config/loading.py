@@ -103,7 +103,8 @@ def read_overrides(items: list[str]) -> Overrides:
         try:
             tree.merge_with(OmegaConf.from_dotlist([f"{key}={_quoted_if_text(key, hydra_flow_to_yaml(value))}"]))
         except (OmegaConfBaseException, yaml.YAMLError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            text = str(exc).strip()
+            first = text.splitlines()[0] if text else type(exc).__name__
             raise ConfigError(f"{key}={value}: cannot read the value ({first}); Hydra's forms: 1, text, "
                               "[a,b], {k:v,k2:[a,b]}; quote text with commas or brackets") from None
     return Overrides(tree, list(verl_only.items()), deleted)

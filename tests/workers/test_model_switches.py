@@ -1,11 +1,14 @@
 """The device-aware model switches: None (auto) resolves per device kind, an explicit value always wins.
 
-model.use_fused_kernels: on for NPU and CUDA; model.share_prompt_prefix and model.use_onednn_linear: on for CPU
-(docs/performance.md, "Defaults tried for the CLI": the default job learns as well with them; on CUDA
+model.use_fused_kernels: on for NPU and CUDA; model.share_prompt_prefix, model.use_onednn_linear and
+model.lora.merge: on for CPU (docs/lora.md for the last;
+docs/performance.md, "Defaults tried for the CLI": the default job learns as well with them; on CUDA
 share_prompt_prefix doubled the 0.5B-shape update, and oneDNN's matmul is a CPU kernel).
 """
 
 from __future__ import annotations
+
+import operator
 
 import pytest
 import torch
@@ -17,34 +20,26 @@ from grpo_npu.workers.response_model import (engine_dtype_of, fused_kernels_on, 
 
 from .helpers import make_batch, make_cfg, make_worker
 
-AUTO_ON = {fused_kernels_on: ("npu", "cuda"), share_prompt_prefix_on: ("cpu",)}
-KEYS = {fused_kernels_on: "use_fused_kernels", share_prompt_prefix_on: "share_prompt_prefix"}
+AUTO_ON = {fused_kernels_on: ("npu", "cuda"), share_prompt_prefix_on: ("cpu",), lora_merge_on: ("cpu",)}
+KEYS = {fused_kernels_on: "use_fused_kernels", share_prompt_prefix_on: "share_prompt_prefix",
+        lora_merge_on: "lora.merge"}
+# what a switch needs to be accepted at all (lora.merge=True: LoRA with the vLLM rollout)
+NEEDS = {lora_merge_on: ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.name=vllm")}
 
 
-def _model(**values):
-    base = ["actor_rollout_ref.model.path=/tmp/tiny", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
+def _model(*needs: str, **values):
+    base = ["actor_rollout_ref.model.path=/tmp/tiny", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", *needs]
     return load_config(base + [f"actor_rollout_ref.model.{k}={v}" for k, v in values.items()]).actor_rollout_ref.model
 
 
 @pytest.mark.parametrize("switch", list(AUTO_ON), ids=lambda f: f.__name__)
 @pytest.mark.parametrize("kind", ["cpu", "cuda", "npu"], ids=lambda k: f"kind_{k}")  # not the hardware marks
 def test_auto_is_on_for_one_device_kind_and_explicit_values_win(switch, kind):
-    key = KEYS[switch]
-    assert getattr(_model(), key) is None  # the schema default is auto
-    assert switch(_model(), Device(kind)) is (kind in AUTO_ON[switch])
+    key, needs = KEYS[switch], NEEDS.get(switch, ())
+    assert operator.attrgetter(key)(_model(*needs)) is None  # the schema default is auto
+    assert switch(_model(*needs), Device(kind)) is (kind in AUTO_ON[switch])
     for value in (True, False):
-        assert switch(_model(**{key: value}), Device(kind)) is value
-
-
-@pytest.mark.parametrize("kind", ["cpu", "cuda", "npu"], ids=lambda k: f"kind_{k}")
-def test_lora_merge_is_auto_on_for_cpu_and_explicit_values_win(kind):
-    lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.name=vllm"]
-    base = ["actor_rollout_ref.model.path=/tmp/tiny", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", *lora]
-    assert load_config(base).actor_rollout_ref.model.lora.merge is None  # the schema default is auto
-    assert lora_merge_on(load_config(base).actor_rollout_ref.model, Device(kind)) is (kind == "cpu")
-    for value in (True, False):
-        model = load_config(base + [f"actor_rollout_ref.model.lora.merge={value}"]).actor_rollout_ref.model
-        assert lora_merge_on(model, Device(kind)) is value
+        assert switch(_model(*needs, **{key: value}), Device(kind)) is value
 
 
 @pytest.mark.parametrize("kind", ["cpu", "cuda", "npu"], ids=lambda k: f"kind_{k}")
