@@ -35,12 +35,12 @@ from bench.cli_run import least_cpu_s, measured_steps, run_cli
 from bench.common import RESULTS_DIR, BenchResult, bench_main, results_dir
 
 N = 4  # samples per prompt: a point of S sequences is S / N prompts
+SWEEP_BATCH, SWEEP_LENGTH = 8, 64  # the fixed coordinate of each sweep
 # (lengths at 8 sequences, sequence counts at T=64)
 TINY_POINTS = ((64, 256, 1024), (8, 32, 128))  # the full range in x4 steps: 3 points a sweep keep CPU runs short
 POINTS_05B = ((64, 128, 256), (8, 16, 32))
 ACCEL_POINTS = ((64, 256, 1024), (8, 32, 128))  # the issue's full range, both models, on a lent accelerator
-QUICK_POINTS = ((16, 32), (4, 8))
-SWEEP_BATCH, SWEEP_LENGTH = 8, 64  # the fixed coordinate of each sweep
+QUICK_POINTS = ((16, SWEEP_LENGTH), (4, SWEEP_BATCH))  # 3 CLI runs: the sweeps share (SWEEP_LENGTH, SWEEP_BATCH)
 FLAT_FRACTION = 0.02  # memory that moves less than this over a sweep is flat (exponent 0): the fit would be noise
 MEMORY_EXPONENT_MAX = 1.5  # above this a sweep's memory grows faster than linearly: reported as a miss
 TIME_EXPONENT_MAX = 1.5  # above this a sweep's step time (end points' log-log slope) grows faster than linearly
@@ -198,11 +198,17 @@ def run(quick: bool = False, model: str = "tiny", rollout: str = "hf", packed: b
     root = Path(tempfile.mkdtemp(prefix="bench-scaling-"))
     try:
         train = write_synthetic(str(root / "data"), train_size=max(batches) // N, test_size=1, write_sft=False)
+        done: dict[tuple[int, int, bool], dict] = {}  # a point both sweeps pass through runs once
         for sweep, x_name, points in sweeps:
             for length, seqs, pack in points:
-                keys = point_keys(path, str(train["train"]), length, seqs, rollout, pack, device)
-                result.rows.append(measure_point(keys, root, sweep, x_name, length, seqs, threads))
-                print(result.rows[-1], flush=True)
+                if (length, seqs, pack) in done:
+                    row = {**done[length, seqs, pack], "sweep": sweep, "x_name": x_name,
+                           "x": length if sweep != "batch" else seqs}
+                else:
+                    keys = point_keys(path, str(train["train"]), length, seqs, rollout, pack, device)
+                    row = done[length, seqs, pack] = measure_point(keys, root, sweep, x_name, length, seqs, threads)
+                result.rows.append(row)
+                print(row, flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     summarise(result)
@@ -211,7 +217,7 @@ def run(quick: bool = False, model: str = "tiny", rollout: str = "hf", packed: b
     result.notes.append(missing or f"plot: {png.name} (dashed: ideal linear through the first point)")
     result.notes.append(f"model {model}, rollout {rollout}, {N} samples per prompt, one micro-batch per step, "
                         f"fixed-length responses, {threads} thread(s); length sweep at {SWEEP_BATCH} sequences, batch sweep "
-                        f"at T={SWEEP_LENGTH}; points {lengths} / {batches}"
+                        f"at T={SWEEP_LENGTH} (the point they share is run once); points {lengths} / {batches}"
                         + (" chosen to keep a CPU run short" if device == "cpu" else f", device {device}"))
     if quick:
         result.notes.append("quick sizes: exponents are indicative only")

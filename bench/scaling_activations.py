@@ -8,7 +8,9 @@ builds the actor as the workers do (:func:`grpo_npu.workers.response_model.build
 checkpointing on, fp32, one thread), runs one forward + backward of the micro-batch as a warm-up, resets
 the kernel's peak-RSS counter (``echo 5 > /proc/self/clear_refs``) and reports VmHWM - VmRSS over a
 second one, with ``MALLOC_MMAP_THRESHOLD_`` set so that RSS follows live tensors (bench/logprob.py's
-method). Each point is the best of :data:`REPEATS` processes.
+method). Each point is the best of :data:`REPEATS` processes (the point where a path's two sweeps meet is
+measured once for both); ``--quick`` measures every point once, all in one process (indicative numbers, a
+fraction of the start-up time).
 
 Paths (:data:`PATHS`): padded rows; packed rows as the workers run them (``model.use_remove_padding``:
 varlen attention, no mask); packed rows through transformers' SDPA with its block-diagonal (N, N) mask,
@@ -96,25 +98,34 @@ def point(length: int, path: str, model: str | None = None, batch: int = SWEEP_B
             "attn_implementation": module.hf.config._attn_implementation}
 
 
+def _in_fresh_process(env: dict, specs: list[dict]) -> list[dict]:
+    """:func:`point` for each spec, one after another in one new process."""
+    out = subprocess.run([sys.executable, "-m", "bench.scaling_activations", "--point", json.dumps(specs)], env=env,
+                         capture_output=True, text=True, timeout=TIMEOUT_S, check=True)
+    return [json.loads(line) for line in out.stdout.strip().splitlines()[-len(specs):]]
+
+
 def run(quick: bool = False) -> BenchResult:
     """Activation memory of one actor forward + backward against response length and batch: padded and packed rows."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
     result = BenchResult(name="scaling_activations")
     plan = sweeps(quick)
+    # each distinct point once (the sweeps of a path meet at one): quick, all in one process; else REPEATS fresh ones
+    specs = list(dict.fromkeys((length, path, batch) for _, _, path, points in plan for length, batch in points))
+    as_dicts = [{"length": length, "path": path, "batch": batch} for length, path, batch in specs]
+    if quick:
+        measured = {spec: [m] for spec, m in zip(specs, _in_fresh_process(env, as_dicts))}
+    else:
+        measured = {spec: [_in_fresh_process(env, [d])[0] for _ in range(REPEATS)] for spec, d in zip(specs, as_dicts)}
     for sweep, x_name, path, points in plan:
         for length, batch in points:
-            spec = json.dumps({"length": length, "path": path, "batch": batch})
-            measured = []
-            for _ in range(1 if quick else REPEATS):
-                out = subprocess.run([sys.executable, "-m", "bench.scaling_activations", "--point", spec], env=env,
-                                     capture_output=True, text=True, timeout=TIMEOUT_S, check=True)
-                measured.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs = measured[length, path, batch]
             x = length if sweep.startswith("length") else batch
             result.rows.append({"sweep": sweep, "x_name": x_name, "x": x,
                                 "response_len": length, "sequences": batch, "tokens": batch * (PROMPT + length),
-                                "attn_implementation": measured[0]["attn_implementation"],
-                                "step_s": min(p["seconds"] for p in measured),
-                                "peak_memory_gb": min(p["peak_extra_mb"] for p in measured) / 1024})
+                                "attn_implementation": runs[0]["attn_implementation"],
+                                "step_s": min(p["seconds"] for p in runs),
+                                "peak_memory_gb": min(p["peak_extra_mb"] for p in runs) / 1024})
             print(result.rows[-1], flush=True)
     for sweep, x_name, path, _ in plan:
         pts = [r for r in result.rows if r["sweep"] == sweep]
@@ -129,9 +140,10 @@ def run(quick: bool = False) -> BenchResult:
     missing = plot(result.rows, png)
     result.notes.append(missing or f"plot: {png.name} (step_s = seconds of the measured forward + backward; memory "
                         "= peak RSS above the resting RSS)")
+    measured_how = "every point once, in one process" if quick else f"best of {REPEATS} fresh processes per point"
     result.notes.append(f"tiny model, rows of {PROMPT} prompt + T response tokens: length sweep at {SWEEP_BATCH} "
                         f"sequences, batch sweep at T={SWEEP_LENGTH}; one micro-batch, gradient checkpointing, fp32, "
-                        f"one thread; best of {1 if quick else REPEATS} fresh processes per point")
+                        f"one thread; {measured_how}")
     if quick:
         result.notes.append("quick sizes: exponents are indicative only")
     return result
@@ -139,10 +151,13 @@ def run(quick: bool = False) -> BenchResult:
 
 def main(argv: list[str] | None = None) -> BenchResult | None:
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--point", default=None, help=argparse.SUPPRESS)  # one point, in its own process
+    # a point (JSON object) or points (JSON list), measured in this process, one JSON line each
+    parser.add_argument("--point", default=None, help=argparse.SUPPRESS)
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if ours.point is not None:
-        print(json.dumps(point(**json.loads(ours.point))), flush=True)
+        specs = json.loads(ours.point)
+        for spec in specs if isinstance(specs, list) else [specs]:
+            print(json.dumps(point(**spec)), flush=True)
         return None
     return bench_main(run, rest)
 

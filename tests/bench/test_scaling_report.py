@@ -89,6 +89,26 @@ def test_accelerator_sweeps_cover_the_full_range_and_target_memory(tmp_path, tin
     assert any("sits on a floor" in n for n in out["notes"])
 
 
+def test_a_point_both_sweeps_pass_through_runs_once(monkeypatch, tmp_path):
+    """The length sweep (at SWEEP_BATCH sequences) and the batch sweep (at SWEEP_LENGTH tokens) meet at one
+    point: one CLI run serves both rows, each with its own sweep and x."""
+    runs = []
+
+    def fake_point(keys, root, sweep, x_name, length, seqs, threads):
+        runs.append((length, seqs))
+        return {"sweep": sweep, "x_name": x_name, "x": length if sweep != "batch" else seqs, "response_len": length,
+                "sequences": seqs, "step_s": length * seqs / 512, "peak_memory_gb": 1.0}
+
+    monkeypatch.setattr(scaling, "measure_point", fake_point)
+    result = scaling.run(quick=True, png=tmp_path / "scaling.png")
+    shared = (scaling.SWEEP_LENGTH, scaling.SWEEP_BATCH)
+    assert sorted(runs) == sorted({(t, scaling.SWEEP_BATCH) for t in scaling.QUICK_POINTS[0]}
+                                  | {(scaling.SWEEP_LENGTH, b) for b in scaling.QUICK_POINTS[1]})
+    assert runs.count(shared) == 1 and len(result.rows) == len(runs) + 1
+    both = [r for r in result.rows if (r["response_len"], r["sequences"]) == shared]
+    assert [(r["sweep"], r["x"]) for r in both] == [("length", scaling.SWEEP_LENGTH), ("batch", scaling.SWEEP_BATCH)]
+
+
 def test_measured_steps_drop_the_warm_up_step():
     rows = [{"timing_s/step": s, "timing_s/gen": 0.5 * s, "timing_s/update_actor": 0.25 * s, "timing_s/ref": 0.1,
              "perf/total_num_tokens": 100.0, "response_length/mean": 8.0, "perf/max_memory_allocated_gb": m}
