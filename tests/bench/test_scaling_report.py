@@ -160,14 +160,15 @@ def test_the_readme_table_is_up_to_date():
     assert report.main(["--check"]) == 0, "run python -m bench.report --readme"
 
 
-@pytest.mark.parametrize("path,attention", [("packed", "grpo_npu"), ("packed, sdpa mask (before)", "sdpa"),
-                                            ("padded", "sdpa")])
-def test_activation_point_builds_the_attention_the_workers_use(tiny_model_path, path, attention):
-    """One bench.scaling_activations point: the model as build_sharded makes it for the path, and a measured peak."""
-    spec = json.dumps({"length": 16, "path": path, "model": tiny_model_path, "batch": 2})
-    out = subprocess.run([sys.executable, "-m", "bench.scaling_activations", "--point", spec], capture_output=True,
-                         text=True, timeout=300, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    point = json.loads(out.stdout.strip().splitlines()[-1])
-    assert point["attn_implementation"] == attention
-    assert point["peak_extra_mb"] > 0 and point["seconds"] > 0
-    assert set(scaling_activations.TARGETS) <= set(scaling_activations.PATHS)
+def test_activation_points_build_the_attention_the_workers_use(tiny_model_path):
+    """bench.scaling_activations points, several in one process as --quick runs them: the model as build_sharded
+    makes it for each path, and a measured peak."""
+    attention = {"packed": "grpo_npu", "packed, sdpa mask (before)": "sdpa", "padded": "sdpa"}
+    assert set(attention) == set(scaling_activations.PATHS) and set(scaling_activations.TARGETS) <= set(attention)
+    specs = [{"length": 16, "path": path, "model": tiny_model_path, "batch": 2} for path in attention]
+    out = subprocess.run([sys.executable, "-m", "bench.scaling_activations", "--point", json.dumps(specs)],
+                         capture_output=True, text=True, timeout=300, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    points = [json.loads(line) for line in out.stdout.strip().splitlines()[-len(specs):]]
+    assert [p["attn_implementation"] for p in points] == list(attention.values())
+    assert all(p["peak_extra_mb"] > 0 and p["seconds"] > 0 for p in points), points
