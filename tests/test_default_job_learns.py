@@ -26,10 +26,10 @@ LEARNING_MARGIN = 0.04  # measured: 0.141 -> 0.217 (+0.076); one-measurement noi
 VAL_KEY = "val-core/openai/gsm8k/reward/mean@4"
 
 
-def test_default_job_improves_validation_reward(tmp_path, monkeypatch):
+def test_default_job_improves_validation_reward(tmp_path, monkeypatch, default_job_cache):
     run_dir = tmp_path / "run"
     monkeypatch.setenv("GRPO_NPU_DEFAULT_RUN_DIR", str(run_dir))
-    monkeypatch.setenv("GRPO_NPU_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("GRPO_NPU_CACHE", str(default_job_cache))
     assert main([]) == 0  # no arguments: the embedded default job
 
     val = {}

@@ -13,7 +13,6 @@ Since 2026-11-28 the engine takes merged weights on CPU (model.lora.merge auto; 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -33,10 +32,9 @@ LORA_OVERRIDES = [
 ]
 
 
-def test_lora_default_job_improves_validation_reward(tmp_path):
-    cache = os.environ.get("GRPO_NPU_TEST_CACHE") or tmp_path / "cache"
+def test_lora_default_job_improves_validation_reward(tmp_path, default_job_cache):
     run_dir = tmp_path / "run"
-    argv = default_job.prepare(os.path.join(cache, "default_job")) + LORA_OVERRIDES + [
+    argv = default_job.prepare(default_job_cache / "default_job") + LORA_OVERRIDES + [
         f"trainer.default_local_dir={run_dir}", "trainer.experiment_name=tiny_grpo_lora"]
     assert main(argv) == 0
 
