@@ -6,7 +6,8 @@ LEARNING_MARGIN. Measured on 2 CPU cores (README, "The default job"): 0.141 afte
 60 GRPO steps (0.102 -> 0.213 before AdamW went fused, which moved the SFT warm start); 0.141 -> 0.242
 since share_prompt_prefix and use_onednn_linear default to on for CPU (docs/performance.md, "Defaults
 tried for the CLI": gains +0.066 to +0.162 over five seed sets, baseline +0.076 to +0.125); 0.174 -> 0.271 with
-the vLLM engine in bf16 (rollout.dtype=auto on a CPU with AVX512-BF16, docs/performance.md session 16); the margin is
+the vLLM engine in bf16 (rollout.dtype=auto on a CPU with AVX512-BF16, docs/performance.md session 16); 0.174 -> 0.254,
+the same in two runs, since shared-prompt gradients are summed in a fixed order (docs/parity.md); the margin is
 about half the measured gain and 2.5x the noise of one validation of 512 samples (~0.016 std), so a
 run that stops learning fails.
 """

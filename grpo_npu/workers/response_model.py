@@ -25,7 +25,7 @@ from grpo_npu.config import ActorRolloutRefConfig, FSDPConfig, ModelConfig
 from grpo_npu.device import Device
 from grpo_npu.ops import FUSED_OPS, PATCHABLE_OPS, VARLEN_ATTN_IMPLEMENTATIONS, linear_logprobs, patch_model
 from grpo_npu.workers import compiled_layers, fsdp, fsdp_gather, lora as lora_lib
-from grpo_npu.workers.model_inputs import ModelInputs, scatter_valid
+from grpo_npu.workers.model_inputs import ModelInputs, rows_at, scatter_valid
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class ResponseModel(nn.Module):
             **inputs.packed_kwargs,
         )
         hidden = out.last_hidden_state  # (b, L, H) | (1, n_tokens, H)
-        return hidden.reshape(-1, hidden.shape[-1])[inputs.predict_index]
+        return rows_at(hidden.reshape(-1, hidden.shape[-1]), inputs.predict_index)
 
 
 class CausalLMLogProbs(ResponseModel):
