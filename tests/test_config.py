@@ -218,6 +218,18 @@ def test_frozen_after_load_and_picklable():
     assert again == cfg
 
 
+def test_one_load_leaves_nothing_behind_for_the_next(tmp_path):
+    """load_config builds the defaults' tree once per process: overrides, YAML values, deletions and free-form
+    additions of one load must not reach the next."""
+    default = C.to_dict(load_config(BASE))
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("trainer:\n  project_name: from_yaml\n")
+    changed = load_config(BASE + ["+actor_rollout_ref.model.override_config.attn_implementation=eager",
+                                  "~trainer.experiment_name", "actor_rollout_ref.rollout.n=8"], str(yaml_file))
+    assert changed.trainer.project_name == "from_yaml" and changed.actor_rollout_ref.rollout.n == 8
+    assert C.to_dict(load_config(BASE)) == default
+
+
 def test_every_key_documented_once():
     specs = C.iter_keys()
     keys = [s.key for s in specs]
