@@ -59,6 +59,7 @@ def sweeps(quick: bool = False) -> list[tuple[str, str, str, list[tuple[int, int
 def point(length: int, path: str, model: str | None = None, batch: int = SWEEP_BATCH) -> dict:
     """Extra peak RSS (MB) and seconds of one actor forward + backward of ``batch`` rows at response length
     ``length`` (fresh process; ``model``: a tiny-model directory, default the built-in tiny model)."""
+    import gc
     import time
 
     import torch
@@ -88,6 +89,7 @@ def point(length: int, path: str, model: str | None = None, batch: int = SWEEP_B
         logp.sum().backward()
 
     step()  # warm-up: gradients and one-time buffers exist before the measured pass
+    gc.collect()  # an earlier point's models (several points in one process) are freed now, not mid-measurement
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM (peak RSS) to the current RSS
     base_kib, start = _status_kib("VmRSS"), time.perf_counter()

@@ -168,7 +168,8 @@ def test_activation_points_build_the_attention_the_workers_use(tiny_model_path):
     specs = [{"length": 16, "path": path, "model": tiny_model_path, "batch": 2} for path in attention]
     out = subprocess.run([sys.executable, "-m", "bench.scaling_activations", "--point", json.dumps(specs)],
                          capture_output=True, text=True, timeout=300, check=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1",  # the benchmark's own measuring environment
+                              "MALLOC_MMAP_THRESHOLD_": str(scaling_activations.MMAP_THRESHOLD)})
     points = [json.loads(line) for line in out.stdout.strip().splitlines()[-len(specs):]]
     assert [p["attn_implementation"] for p in points] == list(attention.values())
     assert all(p["peak_extra_mb"] > 0 and p["seconds"] > 0 for p in points), points
