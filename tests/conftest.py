@@ -60,13 +60,6 @@ def tiny_model_path(tiny_cache):
 
 
 @pytest.fixture(scope="session")
-def default_job_cache(tmp_path_factory):
-    """$GRPO_NPU_CACHE for the default-job tests: the first to run builds the job's model, task and SFT warm
-    start there (as a user's first run does), the others reuse them (as a user's later runs do)."""
-    return tmp_path_factory.mktemp("grpo_npu_cache")
-
-
-@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_path):
     from transformers import AutoTokenizer
 

@@ -13,6 +13,7 @@ Since 2026-11-28 the engine takes merged weights on CPU (model.lora.merge auto; 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -32,9 +33,9 @@ LORA_OVERRIDES = [
 ]
 
 
-def test_lora_default_job_improves_validation_reward(tmp_path, default_job_cache):
+def test_lora_default_job_improves_validation_reward(tmp_path, tiny_cache):
     run_dir = tmp_path / "run"
-    argv = default_job.prepare(default_job_cache / "default_job") + LORA_OVERRIDES + [
+    argv = default_job.prepare(os.path.join(tiny_cache, "default_job")) + LORA_OVERRIDES + [
         f"trainer.default_local_dir={run_dir}", "trainer.experiment_name=tiny_grpo_lora"]
     assert main(argv) == 0
 
