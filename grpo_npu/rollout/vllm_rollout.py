@@ -61,7 +61,7 @@ import torch
 from grpo_npu import compat
 from grpo_npu.config import RolloutConfig
 from grpo_npu.device import Device, cpu_has_bf16_dot_products
-from grpo_npu.rollout import vllm_cpu_norm
+from grpo_npu.rollout import vllm_cpu_norm, vllm_cpu_ranks
 from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, pack_responses, unpad_prompts
 from grpo_npu.rollout.vllm_cpu_sync import direct_sync_unsupported
 from grpo_npu.rollout.vllm_lora import AdapterSync, engine_adapter_sync, lora_engine_kwargs
@@ -351,6 +351,8 @@ def build_vllm_rollout(
     adapter_sync = engine_adapter_sync(lora_adapter)
     if adapter_sync is not None:
         kwargs.update(lora_engine_kwargs(lora_adapter))
+    if device.kind == "cpu":
+        vllm_cpu_ranks.install()  # no torch.compile at the first generation
     hide_benign_reload_warnings()
     set_num_threads = torch.set_num_threads
     rng = device.get_rng_state()  # in-process, vLLM seeds the global RNGs with rollout.seed: keep the caller's

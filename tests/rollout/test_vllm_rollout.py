@@ -76,6 +76,20 @@ def test_an_eager_cpu_engine_normalises_with_vllm_cpus_compiled_kernels(engine):
     assert ir.ops.fused_add_rms_norm.dispatch(hidden, hidden.clone(), torch.ones(64), 1e-6).provider == PROVIDER
 
 
+def test_a_cpu_engine_returns_logprobs_without_compiling(engine, cpu, tiny_hf, prompt_batch):
+    """vLLM's token-rank count is torch.compile'd; on CPU engines it runs eagerly (rollout/vllm_cpu_ranks.py):
+    generating with log-probs, and the canary's prompt log-probs, compile no graph (the compile took 3-10 s at
+    every run's first step)."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    sampling = SamplingConfig(do_sample=True, max_new_tokens=4, return_logprobs=True)
+    out = _step(engine, cpu, tiny_hf.state_dict(), prompt_batch, sampling)
+    prompt_logprobs = engine.prompt_logprobs([[5, 6, 7, 8], [9, 10, 11]])
+    assert out.logprobs is not None and [len(p) for p in prompt_logprobs] == [3, 2]
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_greedy_matches_transformers_after_the_first_sync(engine, cpu, tiny_hf, hf_rollout, prompt_batch, ref):
     sampling = SamplingConfig(do_sample=False, max_new_tokens=12, return_logprobs=True)
     out = _step(engine, cpu, tiny_hf.state_dict(), prompt_batch, sampling)
