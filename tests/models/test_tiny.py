@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,6 +55,18 @@ def test_idempotent_and_atomic(tmp_path):
     path2 = tiny.build_tiny_model(tmp_path, changed)
     w2 = AutoModelForCausalLM.from_pretrained(path2).model.embed_tokens.weight
     assert not torch.equal(w1, w2)
+
+
+def test_finding_a_built_kit_imports_neither_torch_nor_transformers(tiny_model_path):
+    """Every example script asks for the kit first: with it built, the answer takes no heavy import (6 s here)."""
+    cache = str(Path(tiny_model_path).parent)
+    code = ("import sys; from grpo_npu.models.tiny import build_tiny_model; print(build_tiny_model(sys.argv[1])); "
+            "heavy = sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules); "
+            "assert not heavy, heavy")
+    out = subprocess.run([sys.executable, "-c", code, cache], capture_output=True, text=True, check=False,
+                         cwd=Path(tiny.__file__).parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == tiny_model_path
 
 
 def test_spec_validation():
