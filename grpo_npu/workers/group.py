@@ -40,7 +40,7 @@ from grpo_npu.batch import RolloutBatch
 from grpo_npu.errors import StepTimeout, UserError, WorkerError
 from grpo_npu.device import get_device
 from grpo_npu.workers.fsdp import destroy_distributed, free_port, init_distributed
-from grpo_npu.workers.reaper import ray_node_pids, start_reaper
+from grpo_npu.workers.reaper import kill_snapshot, ray_node_pids, snapshot, start_reaper
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,27 @@ def _node_id() -> str:
     if ray.is_initialized():
         return ray.get_runtime_context().get_node_id()
     return socket.gethostname()
+
+
+def _shutdown_own_cluster() -> None:
+    """``ray.shutdown()`` of the local cluster this driver started, its processes stopped with SIGKILL at once.
+
+    They run with SIGTERM blocked (RayGroup.__init__), so Ray's graceful stop, SIGTERM and up to 1 s for each of
+    its five processes before SIGKILL, only waited: 5 s at the end of every run. SIGKILL is where that stop
+    ended anyway. The raylet's agents (dashboard, runtime env) outlive a raylet killed at once, so whatever of
+    the cluster's process tree still runs afterwards is killed too, as the reaper would. Where this Ray keeps
+    its node elsewhere, its graceful stop runs as before.
+    """
+    tree = snapshot(ray_node_pids())
+    node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
+    kill_all = getattr(type(node), "kill_all_processes", None)
+    if node is not None and kill_all is not None:
+        def kill_at_once(check_alive: bool = True, allow_graceful: bool = False, wait: bool = False) -> None:
+            kill_all(node, check_alive=check_alive, allow_graceful=False, wait=wait)
+
+        node.kill_all_processes = kill_at_once
+    ray.shutdown()
+    kill_snapshot(tree)
 
 
 def _reserve_nodes(nnodes: int, node_bundle: dict[str, float], timeout_s: float) -> Any:
@@ -258,7 +279,7 @@ class RayGroup(WorkerGroup):
             self.pg = _reserve_nodes(nnodes, node_bundle, start_timeout_s)
         except BaseException:
             if self.owns_ray:
-                ray.shutdown()
+                _shutdown_own_cluster()
                 self._stop_reaper()
             raise
         options: dict[str, Any] = {"num_cpus": num_cpus_per_worker}
@@ -336,7 +357,7 @@ class RayGroup(WorkerGroup):
                 ray.kill(a)
             ray.util.remove_placement_group(self.pg)
             if self.owns_ray:
-                ray.shutdown()
+                _shutdown_own_cluster()
         self._stop_reaper()
 
     def _stop_reaper(self) -> None:

@@ -86,21 +86,31 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def snapshot(pids: list[int]) -> dict[int, int | None]:
+    """``pids`` and their descendants, each with its start time (see :func:`kill_snapshot`)."""
+    return {pid: start_time(pid) for pid in descendants(pids)}
+
+
+def kill_snapshot(tree: dict[int, int | None]) -> None:
+    """SIGKILL every process of ``tree`` still running: the same pid with the same start time (not a reused pid)."""
+    for pid, started in tree.items():
+        if started is not None and start_time(pid) == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 def watch(driver_pid: int, pids: list[int]) -> None:
     """Poll the driver; meanwhile keep a snapshot of the cluster's process tree (when the driver dies the kernel
     may kill the raylet first, orphaning its agents, so the tree must be known before); then kill the snapshot."""
     tree: dict[int, int | None] = {}
     while alive(driver_pid):
-        tree = {pid: start_time(pid) for pid in descendants(pids)}
+        tree = snapshot(pids)
         time.sleep(POLL_S)
-    for pid in descendants(pids):  # whatever is still attached
-        tree.setdefault(pid, start_time(pid))
-    for pid, started in tree.items():
-        if started is not None and start_time(pid) == started:  # the same process, not a reused pid
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+    for pid, started in snapshot(pids).items():  # whatever is still attached
+        tree.setdefault(pid, started)
+    kill_snapshot(tree)
 
 
 if __name__ == "__main__":

@@ -123,3 +123,32 @@ def test_worker_errors_name_rank_and_method(groups):
     assert info.value.rank in (0, 1)
     with pytest.raises(ValueError, match="2 ranks, got 1"):
         ray_group.call_ranks("compute_values", [(make_batch(),)])
+
+
+def test_closing_stops_the_cluster_with_sigkill_and_leaves_no_process(groups, monkeypatch):
+    """Last in the module: it closes the module's group. The cluster's processes run with SIGTERM blocked, so
+    Ray's graceful stop (SIGTERM, up to 1 s per process, then SIGKILL) only waited, 5 s a run: close() has Ray
+    stop them with SIGKILL at once. Nothing of the cluster is left running: not the raylet's agents, which outlive
+    a raylet killed at once, nor the ranks."""
+    import time
+
+    from ray._private.node import Node
+
+    from grpo_npu.workers.reaper import alive, descendants, ray_node_pids
+
+    _, ray_group = groups
+    cluster = descendants(ray_node_pids())  # Ray's own processes, its agents and the ranks
+    graceful = []
+    stop = Node.kill_all_processes
+
+    def recorded(node, check_alive=True, allow_graceful=False, wait=False):
+        graceful.append(allow_graceful)
+        return stop(node, check_alive=check_alive, allow_graceful=allow_graceful, wait=wait)
+
+    monkeypatch.setattr(Node, "kill_all_processes", recorded)
+    ray_group.close()
+    assert graceful == [False]
+    deadline = time.monotonic() + 30  # a bound for a loaded host, not a speed target
+    while any(alive(p) for p in cluster) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(cluster) >= 5 and not [p for p in cluster if alive(p)]
