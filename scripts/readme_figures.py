@@ -6,8 +6,8 @@ RUN_DIR defaults to the default job's run directory (~/.cache/grpo_npu/default_j
 block between ``<!-- default-job:start -->`` and ``<!-- default-job:end -->`` in README.md becomes: the
 validation reward at every validated step, then one line naming what the numbers depend on (date, CPU model
 and core count, torch / transformers / vllm versions, rollout engine). The trajectory moves with either
-(fp32 rounding changes the sampled tokens), and two runs on one machine can part after a few steps (README),
-so a figure is only meaningful beside its environment and as one run of the job. ``--check`` exits 1 when the README
+(fp32 rounding changes the sampled tokens); on one machine the job repeats bit for bit (README), so a figure is
+meaningful beside its environment. ``--check`` exits 1 when the README
 table differs from the run's figures (nothing is written).
 """
 
