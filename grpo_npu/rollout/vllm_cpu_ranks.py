@@ -17,6 +17,7 @@ in its sampler keeps its own.
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 import torch
@@ -44,9 +45,8 @@ def install() -> bool:
     """Point vLLM's sampler at :func:`count_at_least` where vLLM runs on the CPU (idempotent). False where
     the platform is not the CPU or the installed vLLM's sampler has no such function."""
     try:
-        import importlib
-
         from vllm.platforms import current_platform
+
         sampler = importlib.import_module(_SAMPLER_MODULE)
     except ImportError:
         return False
