@@ -40,7 +40,7 @@ from grpo_npu.batch import RolloutBatch
 from grpo_npu.errors import StepTimeout, UserError, WorkerError
 from grpo_npu.device import get_device
 from grpo_npu.workers.fsdp import destroy_distributed, free_port, init_distributed
-from grpo_npu.workers.reaper import kill_snapshot, ray_node_pids, snapshot, start_reaper
+from grpo_npu.workers.reaper import kill_snapshot, ray_node_pids, snapshot, start_reaper, started_ray_node
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def _shutdown_own_cluster() -> None:
     its node elsewhere, its graceful stop runs as before.
     """
     tree = snapshot(ray_node_pids())
-    node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
+    node = started_ray_node()
     kill_all = getattr(type(node), "kill_all_processes", None)
     if node is not None and kill_all is not None:
         def kill_at_once(check_alive: bool = True, allow_graceful: bool = False, wait: bool = False) -> None:

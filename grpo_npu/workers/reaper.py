@@ -32,13 +32,18 @@ def start_reaper(driver_pid: int, pids: list[int]) -> subprocess.Popen | None:
                             start_new_session=True)
 
 
-def ray_node_pids() -> list[int]:
-    """The processes of the Ray node this driver started (empty when it joined an existing cluster)."""
+def started_ray_node():
+    """The Ray node (``ray._private.node.Node``) this driver started; None when it joined an existing cluster."""
     import ray  # an optional dependency: only RayGroup calls this, with ray imported
 
-    node = getattr(getattr(ray, "_private", None), "worker", None)
-    node = getattr(node, "_global_node", None)
-    if node is None or not getattr(node, "head", False):
+    node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
+    return node if getattr(node, "head", False) else None
+
+
+def ray_node_pids() -> list[int]:
+    """The processes of the Ray node this driver started (empty when it joined an existing cluster)."""
+    node = started_ray_node()
+    if node is None:
         return []
     return [info.process.pid for infos in node.all_processes.values() for info in infos]
 

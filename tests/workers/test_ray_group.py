@@ -6,6 +6,8 @@ One Ray launch for the whole module (starting Ray and two worker processes costs
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -130,8 +132,6 @@ def test_closing_stops_the_cluster_with_sigkill_and_leaves_no_process(groups, mo
     Ray's graceful stop (SIGTERM, up to 1 s per process, then SIGKILL) only waited, 5 s a run: close() has Ray
     stop them with SIGKILL at once. Nothing of the cluster is left running: not the raylet's agents, which outlive
     a raylet killed at once, nor the ranks."""
-    import time
-
     from ray._private.node import Node
 
     from grpo_npu.workers.reaper import alive, descendants, ray_node_pids
