@@ -87,11 +87,12 @@ def _fmt(v) -> str:
 
 
 def run_meta(quick: bool) -> dict:
-    """Date, machine, package versions, load average and the CPU's matmul speed at the end of a run.
+    """Date, machine, package versions, load average and the CPU's matmul speed and copy bandwidth at the end of a run.
 
     The speed (grpo_npu.perf.hardware's 2048^3 fp32 product, best of 3, this process's threads, timed anew) says what
     state a shared host was in: on this project's VM it has read from ~110 to ~220 GFLOP/s within an hour,
-    and grpo_npu's matmul-bound steps move with it more than TRL's (docs/performance.md).
+    and grpo_npu's matmul-bound steps move with it more than TRL's (docs/performance.md). The copy bandwidth
+    (its 256 MiB copy, timed anew) has read from ~32 to ~48 GB/s within an hour there.
     """
     import datetime
     import platform
@@ -106,10 +107,11 @@ def run_meta(quick: bool) -> dict:
     machine = f"{cpu} ({os.cpu_count()} CPUs), torch {torch.__version__}"
     if torch.cuda.is_available():  # the accelerator a run may have used (bench code may name torch.cuda)
         machine = f"{torch.cuda.get_device_name(0)}, {machine}"
-    from grpo_npu.perf.hardware import measured_cpu_matmul_flops
+    from grpo_npu.perf.hardware import measured_cpu_bandwidth, measured_cpu_matmul_flops
 
     load = "load average " + "/".join(f"{x:.1f}" for x in os.getloadavg())
-    speed = f"{measured_cpu_matmul_flops.__wrapped__() / 1e9:.0f} GFLOP/s fp32 CPU matmul ({torch.get_num_threads()} threads)"
+    speed = (f"{measured_cpu_matmul_flops.__wrapped__() / 1e9:.0f} GFLOP/s fp32 CPU matmul and "
+             f"{measured_cpu_bandwidth.__wrapped__() / 1e9:.0f} GB/s copy ({torch.get_num_threads()} threads)")
     return {"quick": quick, "measured_at": datetime.date.today().isoformat(), "machine": machine,
             "load": f"{load} and {speed} at the end"}
 

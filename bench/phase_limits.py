@@ -33,6 +33,7 @@ from pathlib import Path
 from bench import step_vs_trl as svt
 from bench.cli_run import REPO_ROOT, child_env, run_cli
 from bench.common import BenchResult, bench_main, copy_seconds
+from grpo_npu.step_limits import BASIS_PREFIX
 
 PHASE_RATIO_TARGET = 1.5  # time / floor, every phase with a floor
 DECODE_BANDWIDTH_TARGET = 0.6  # perf/limit_frac/gen_bandwidth: bandwidth floor / generation time
@@ -82,10 +83,11 @@ def run_step(work: svt.Workload, root: Path) -> dict:
     missing = [k for k in ("rollout/weight_sync_s", "perf/limit_frac/gen_bandwidth") if k not in steps[0]]
     if missing:
         raise RuntimeError(f"the run's metrics have no {missing}: were the phase limits turned off? see {run['log']}")
-    verdicts = [line.split(VERDICT_PREFIX, 1)[1] for line in Path(run["log"]).read_text(errors="replace").splitlines()
-                if "slowest against its limit" in line]
+    lines = Path(run["log"]).read_text(errors="replace").splitlines()
+    verdicts = [line.split(VERDICT_PREFIX, 1)[1] for line in lines if "slowest against its limit" in line]
+    basis = [line.split(BASIS_PREFIX, 1)[1] for line in lines if BASIS_PREFIX in line]
     return {"model": inputs["model"], "steps": steps, "verdict": VERDICT_PREFIX + verdicts[-1] if verdicts else None,
-            "prompt_tokens": inputs["prompt_tokens"]}
+            "basis": basis[-1] if basis else None, "prompt_tokens": inputs["prompt_tokens"]}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -214,6 +216,9 @@ def run(quick: bool = False) -> BenchResult:
     result.rows += phases + [sync_row, {"phase": "step", "seconds": min(r["timing_s/step"] for r in steps),
                                         "seconds_all": "/".join(f"{r['timing_s/step']:.3g}" for r in steps), **mfu}]
     result.notes += describe(work, floor, sync_row["seconds"], step["verdict"], load_before, quick)
+    if step["basis"]:
+        result.notes.append(f"the run's floors, measured once at its start: {step['basis']}; the same copy measured "
+                            "again at the bench's end is in meta.load (a shared host's bandwidth moves by minutes)")
     packing = model_over_computed(work, step["prompt_tokens"])
     result.notes.append(
         f"ref and update_actor floors count model FLOPs, every row's prompt included (verl's MFU count); shared-prompt "

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # Timer sections that run inside the step and do not overlap (testing and checkpointing run after it).
 STEP_PHASES = ("step", "gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
 SYNC_METRIC = "rollout/weight_sync_s"  # the part of "gen" spent loading the actor's weights into the engine
+BASIS_PREFIX = "perf: floors against "  # the start-of-run line naming the peaks and bandwidth the floors use
 
 
 class StepLimits:
@@ -52,6 +53,8 @@ class StepLimits:
         self.spec = device_spec(dev.kind, dev.device_name(), dtypes=(self.dtype, self.rollout_dtype))
         if self.spec is None:
             log.info("perf: %s is not in the device table: phase shares only, no floors or MFU", dev.device_name())
+        else:  # on a CPU measured now: a shared host's bandwidth moves by minutes (docs/performance.md)
+            log.info("%s%s", BASIS_PREFIX, self.spec.summary())
         self.cfg = cfg
         self.world_size = world_size
         self.reports: list[StepReport] = []

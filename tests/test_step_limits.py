@@ -11,7 +11,8 @@ import pytest
 
 from grpo_npu.config import load_config
 from grpo_npu.device import get_device
-from grpo_npu.step_limits import StepLimits
+from grpo_npu.perf.hardware import cpu_device_spec
+from grpo_npu.step_limits import BASIS_PREFIX, StepLimits
 
 BASE = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "trainer.n_gpus_per_node=1",
         "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "algorithm.adv_estimator=grpo",
@@ -33,6 +34,16 @@ def test_report_of_one_step(tiny_model_path, rollout):
     assert metrics["perf/share/gen"] == pytest.approx(gen_share)
     assert not any("testing" in k for k in metrics)
     assert "update_actor" in limits.verdict() or "gen" in limits.verdict()
+
+
+def test_the_run_logs_the_peaks_and_bandwidth_its_floors_use(tiny_model_path, caplog):
+    """On a CPU they are measured in the run: the log line is how a reader knows what the floors assumed."""
+    cfg = load_config(BASE + [f"actor_rollout_ref.model.path={tiny_model_path}"])
+    with caplog.at_level("INFO"):
+        limits = StepLimits(cfg, get_device("cpu"), world_size=1, use_critic=False)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(BASIS_PREFIX)]
+    assert lines == [BASIS_PREFIX + limits.spec.summary()]
+    assert limits.spec == cpu_device_spec([limits.dtype, limits.rollout_dtype])  # the process's measurement
 
 
 def test_an_unmodelled_model_turns_the_report_off(tiny_model_path, tmp_path, caplog):

@@ -61,6 +61,12 @@ class DeviceSpec:
             raise ValueError(f"{self.name}: no peak for dtype {name}; known: {', '.join(self.peak_flops)}")
         return self.peak_flops[name]
 
+    def summary(self) -> str:
+        """One line: the matmul peak per dtype, the bandwidth and their source (logged where floors are used)."""
+        unit, scale = ("TFLOP/s", _T) if max(self.peak_flops.values()) >= _T else ("GFLOP/s", 1e9)
+        peaks = " / ".join(f"{name} {flops / scale:.4g}" for name, flops in sorted(self.peak_flops.items()))
+        return f"{self.name}: matmul peak {peaks} {unit}, memory bandwidth {self.bandwidth / 1e9:.4g} GB/s ({self.source})"
+
     def devices(self, world_size: int) -> int:
         """How many of these devices ``world_size`` ranks run on."""
         return 1 if self.ranks_share_device else world_size

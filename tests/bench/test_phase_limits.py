@@ -101,3 +101,19 @@ def test_an_update_under_its_floor_by_no_more_than_packing_saves_is_not_flagged(
     faster = [_step(10.0, 0.3, 0.9, 1.0, 0.8, update_frac=1.5)]  # beyond what packing saves: flagged
     (warning,) = pl.floor_warnings(pl.phase_rows(faster), faster, packing)
     assert "update_actor 1.50" in warning
+
+
+def test_the_run_step_reads_the_floors_basis_and_verdict_from_the_runs_log(tmp_path, monkeypatch):
+    from grpo_npu.step_limits import BASIS_PREFIX
+
+    log = tmp_path / "run.log"
+    log.write_text("INFO grpo_npu.step_limits: " + BASIS_PREFIX + "CPU (2 threads): matmul peak fp32 215 GFLOP/s, "
+                   "memory bandwidth 47.7 GB/s (measured)\n"
+                   "INFO grpo_npu.trainer: perf: slowest against its limit: gen, 40% of step time\n")
+    steps = [_step(10.0, 0.3, 0.5, 1.0, 0.4)] * (1 + pl.WORK.timed_steps)
+    monkeypatch.setattr(pl.svt, "prepare_inputs", lambda work, root: _inputs(tmp_path))
+    monkeypatch.setattr(pl, "run_cli", lambda *a, **k: {"rows": steps, "log": str(log)})
+    step = pl.run_step(pl.WORK, tmp_path)
+    assert step["basis"] == "CPU (2 threads): matmul peak fp32 215 GFLOP/s, memory bandwidth 47.7 GB/s (measured)"
+    assert step["verdict"] == "perf: slowest against its limit: gen, 40% of step time"
+    assert len(step["steps"]) == pl.WORK.timed_steps

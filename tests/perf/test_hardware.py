@@ -69,6 +69,14 @@ def test_unknown_dtype_names_the_known_ones():
     assert cpu.devices(4) == 1
 
 
+def test_summary_names_every_peak_the_bandwidth_and_the_source():
+    assert H.H100_SXM.summary() == (
+        "NVIDIA H100 SXM: matmul peak bf16 989.5 / fp16 989.5 / fp32 67 TFLOP/s, memory bandwidth 3350 GB/s "
+        "(NVIDIA H100 Tensor Core GPU datasheet (dense = sparse / 2))")
+    cpu = H.DeviceSpec("CPU (2 threads)", {"fp32": 215.4e9, "bf16": 438e9}, 47.73e9, "measured")
+    assert cpu.summary() == "CPU (2 threads): matmul peak bf16 438 / fp32 215.4 GFLOP/s, memory bandwidth 47.73 GB/s (measured)"
+
+
 def test_cpu_is_measured_once_per_process():
     H.measured_cpu_matmul_flops.cache_clear()
     H.measured_cpu_bandwidth.cache_clear()
