@@ -120,7 +120,10 @@ def test_the_run_step_reads_the_floors_basis_and_verdict_from_the_runs_log(tmp_p
 
 
 def test_the_host_bandwidth_row_rescales_the_decode_fraction_to_the_fastest_probe():
-    basis = "CPU (2 threads): matmul peak fp32 215 GFLOP/s, memory bandwidth 32.5 GB/s (measured)"
+    from grpo_npu.perf.hardware import DeviceSpec
+
+    # the line the trainer logs (step_limits.BASIS_PREFIX + DeviceSpec.summary()): the row reads its bandwidth
+    basis = DeviceSpec("CPU (2 threads)", {"fp32": 215e9}, 32.5e9, "measured").summary()
     row = pl.host_bandwidth_row([31e9, 50e9, 27e9, 33e9, 32e9], basis, bandwidth_frac=0.62)
     assert (row["probes"], row["min_GBps"], row["median_GBps"], row["max_GBps"]) == (5, 27, 32, 50)
     assert row["run_GBps"] == 32.5
