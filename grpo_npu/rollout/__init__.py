@@ -35,7 +35,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'grpo_npu.rollout' has no attribute {name!r}")
 
 __all__ = [
-    "GenerationOutput", "MemoryLedger", "Rollout", "SamplingConfig", "build_rollout", "logp_diff_metrics",
+    "GenerationOutput", "MemoryLedger", "Rollout", "SamplingConfig", "build_rollout", "engine_decode_rows",
+    "logp_diff_metrics",
     "run_rollout_step", "sleep_after_rollout", "training_sampling", "validation_sampling", "wake_for_rollout",
 ]
 
@@ -49,7 +50,7 @@ def _build_hf(cfg, *, module, pad_token_id, eos_token_ids, **_) -> Rollout:
 
 
 def _build_vllm(cfg, *, model_path, device, prompt_length, response_length, pad_token_id, eos_token_ids,
-                trust_remote_code, lora_adapter, **_) -> Rollout:
+                trust_remote_code, lora_adapter, decode_rows, **_) -> Rollout:
     if not model_path:
         raise ValueError("actor_rollout_ref.rollout.name=vllm needs the model path (actor_rollout_ref.model.path)")
     try:
@@ -64,7 +65,7 @@ def _build_vllm(cfg, *, model_path, device, prompt_length, response_length, pad_
     return build_vllm_rollout(cfg, model_path=model_path, device=device, prompt_length=prompt_length,
                               response_length=response_length, pad_token_id=pad_token_id,
                               eos_token_ids=eos_token_ids, trust_remote_code=trust_remote_code,
-                              lora_adapter=lora_adapter)
+                              lora_adapter=lora_adapter, decode_rows=decode_rows)
 
 
 _BUILDERS: dict[str, Callable[..., Rollout]] = {"hf": _build_hf, "vllm": _build_vllm}
@@ -82,9 +83,11 @@ def build_rollout(
     module: Optional[nn.Module] = None,
     trust_remote_code: bool = False,
     lora_adapter: Optional[dict] = None,
+    decode_rows: Optional[int] = None,
 ) -> Rollout:
     """The rollout named by ``actor_rollout_ref.rollout.name`` (lengths from config.derive()); ``lora_adapter``:
-    the actor's PEFT LoRA config as a dict (LoRA on), or None."""
+    the actor's PEFT LoRA config as a dict (LoRA on), or None; ``decode_rows``: the most rows one training
+    rollout gives this rank's engine (:func:`engine_decode_rows`), or None when unknown."""
     if cfg.name not in _BUILDERS:
         raise ValueError(f"actor_rollout_ref.rollout.name={cfg.name!r}; known: {', '.join(sorted(_BUILDERS))}")
     if not eos_token_ids:
@@ -92,7 +95,13 @@ def build_rollout(
     return _BUILDERS[cfg.name](cfg, device=device, model_path=model_path, prompt_length=prompt_length,
                                response_length=response_length, pad_token_id=pad_token_id,
                                eos_token_ids=list(eos_token_ids), module=module, trust_remote_code=trust_remote_code,
-                               lora_adapter=lora_adapter)
+                               lora_adapter=lora_adapter, decode_rows=decode_rows)
+
+
+def engine_decode_rows(gen_batch_size: int, n: int, world_size: int) -> int:
+    """The most rows one training rollout gives a rank's engine: its contiguous share of the ``gen_batch_size``
+    prompt groups (the first ranks take one more, as the trainer dispatches them), ``n`` rows each."""
+    return -(-gen_batch_size // world_size) * n
 
 
 def training_sampling(cfg: RolloutConfig, response_length: int, seed: Optional[int] = None) -> SamplingConfig:

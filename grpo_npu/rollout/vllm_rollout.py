@@ -53,6 +53,7 @@ inside the functions that run the engine, so this module imports without it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import inspect
@@ -65,7 +66,7 @@ import torch
 from grpo_npu import compat
 from grpo_npu.config import RolloutConfig
 from grpo_npu.device import Device, cpu_has_bf16_dot_products
-from grpo_npu.rollout import vllm_cpu_norm, vllm_cpu_ranks
+from grpo_npu.rollout import vllm_cpu_gemm, vllm_cpu_norm, vllm_cpu_ranks
 from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, pack_responses, unpad_prompts
 from grpo_npu.rollout.vllm_cpu_sync import direct_sync_unsupported
 from grpo_npu.rollout.vllm_lora import AdapterSync, engine_adapter_sync, lora_engine_kwargs
@@ -338,9 +339,12 @@ def build_vllm_rollout(
     eos_token_ids: Sequence[int],
     trust_remote_code: bool = False,
     lora_adapter: Optional[dict] = None,
+    decode_rows: Optional[int] = None,
 ) -> VLLMRollout:
     """Build the in-process engine for ``cfg`` on ``device``: environment checks, engine, first sleep.
-    ``lora_adapter``: the actor's PEFT LoRA config (a dict): LoRA on in the engine where it can take adapters."""
+    ``lora_adapter``: the actor's PEFT LoRA config (a dict): LoRA on in the engine where it can take adapters.
+    ``decode_rows``: the most rows one training rollout gives this engine (None: unknown; ``rollout.max_num_seqs``
+    bounds it either way); on a CPU, a few rows get vllm-cpu's packed-weight GEMM (:mod:`.vllm_cpu_gemm`)."""
     from vllm import LLM
 
     stack = compat.current()
@@ -368,6 +372,14 @@ def build_vllm_rollout(
         kwargs.update(lora_engine_kwargs(lora_adapter))
     if device.kind == "cpu":
         vllm_cpu_ranks.install()  # no torch.compile at the first generation
+    rows = min(decode_rows or cfg.max_num_seqs, cfg.max_num_seqs)  # the engine never runs more than max_num_seqs
+    packed_gemm = vllm_cpu_gemm.applies(device_kind=device.kind, engine_dtype=engine_dtype, decode_rows=rows,
+                                        enforce_eager=kwargs["enforce_eager"],
+                                        tensor_parallel_size=cfg.tensor_model_parallel_size,
+                                        lora=adapter_sync is not None)
+    if packed_gemm:
+        log.info("vllm rollout: the engine decodes at most %d rows at a time: vllm-cpu's packed-weight GEMM instead "
+                 "of oneDNN (faster up to %d rows)", rows, vllm_cpu_gemm.SMALL_DECODE_ROWS)
     hide_benign_reload_warnings()
     set_num_threads = torch.set_num_threads
     rng = device.get_rng_state()  # in-process, vLLM seeds the global RNGs with rollout.seed: keep the caller's
@@ -381,7 +393,8 @@ def build_vllm_rollout(
     gc.collect()
     gc.freeze()
     try:
-        llm = LLM(**kwargs)
+        with vllm_cpu_gemm.packed_gemm_for_new_layers() if packed_gemm else contextlib.nullcontext():
+            llm = LLM(**kwargs)
     except ValueError as exc:
         refusal = engine_refusal(exc, cfg)
         if refusal is None:

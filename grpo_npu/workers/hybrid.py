@@ -25,7 +25,7 @@ from grpo_npu.batch import RolloutBatch
 from grpo_npu.config import Config, derive
 from grpo_npu.determinism import make_deterministic
 from grpo_npu.device import get_device
-from grpo_npu.rollout import MemoryLedger, build_rollout, run_rollout_step
+from grpo_npu.rollout import MemoryLedger, build_rollout, engine_decode_rows, run_rollout_step
 from grpo_npu.rollout.sync_check import SyncCheck, default_threshold
 from grpo_npu.workers import fsdp, lora
 from grpo_npu.workers.actor import Actor, Policy
@@ -162,6 +162,7 @@ class HybridWorker:
             response_length=self.derived.response_length, pad_token_id=pad, eos_token_ids=eos_ids(tok, arr.model.path),
             module=self.actor.module, trust_remote_code=arr.model.trust_remote_code,
             lora_adapter=lora.peft_config_dict(self.actor.module.hf) if adapters else None,
+            decode_rows=engine_decode_rows(self.derived.gen_batch_size, self.derived.n, self.derived.world_size),
         )
         self.ledger = MemoryLedger(self.dev)
         sc = arr.rollout.sync_check
