@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 # Timer sections that run inside the step and do not overlap (testing and checkpointing run after it).
 STEP_PHASES = ("step", "gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
 SYNC_METRIC = "rollout/weight_sync_s"  # the part of "gen" spent loading the actor's weights into the engine
+# The part of "gen" the weight-sync canary took on the steps it ran (rollout.sync_check: by default the first two):
+# a phase of its own, so that those steps' generation is held to its floor without it.
+SYNC_CHECK_METRIC = "rollout/sync_check_s"
 BASIS_PREFIX = "perf: floors against "  # the start-of-run line naming the peaks and bandwidth the floors use
 
 
@@ -71,6 +74,10 @@ class StepLimits:
         if "gen" in phases and arr.rollout.name == "vllm":  # the transformers rollout runs the actor itself: no copy
             phases["gen"] -= sync
             phases["sync"] = sync
+        check = min(float(metrics.get(SYNC_CHECK_METRIC, 0.0)), phases.get("gen", 0.0))
+        if check > 0:
+            phases["gen"] -= check
+            phases["sync_check"] = check
         workload = StepWorkload(
             actor=self.actor, prompt_lengths=prompt_lengths, response_lengths=response_lengths, n=n,
             world_size=self.world_size, dtype=self.dtype, rollout_dtype=self.rollout_dtype,

@@ -36,6 +36,21 @@ def test_report_of_one_step(tiny_model_path, rollout):
     assert "update_actor" in limits.verdict() or "gen" in limits.verdict()
 
 
+def test_the_sync_check_is_a_phase_of_its_own_on_the_steps_it_runs(tiny_model_path):
+    """The weight-sync canary runs inside gen on its steps: its seconds leave gen (whose floor is the generation's)
+    and show as a share of their own; a step without it has no such phase."""
+    cfg = load_config(BASE + [f"actor_rollout_ref.model.path={tiny_model_path}", "actor_rollout_ref.rollout.name=vllm"])
+    limits = StepLimits(cfg, get_device("cpu"), world_size=1, use_critic=False)
+    checked = limits.report(SECONDS, {"rollout/weight_sync_s": 0.3, "rollout/sync_check_s": 0.2},
+                            [5, 5, 7, 7], [3, 4, 2, 6], n=2)
+    plain = limits.report(SECONDS, {"rollout/weight_sync_s": 0.3}, [5, 5, 7, 7], [3, 4, 2, 6], n=2)
+    assert checked["perf/share/gen"] == pytest.approx((0.8 - 0.3 - 0.2) / 2.0)
+    assert checked["perf/share/sync_check"] == pytest.approx(0.1)
+    assert checked["perf/floor_s/gen"] == pytest.approx(plain["perf/floor_s/gen"])
+    assert checked["perf/limit_frac/gen"] == pytest.approx(plain["perf/limit_frac/gen"] * 0.5 / 0.3)
+    assert "perf/share/sync_check" not in plain and "perf/limit_frac/sync_check" not in checked
+
+
 def test_the_run_logs_the_peaks_and_bandwidth_its_floors_use(tiny_model_path, caplog):
     """On a CPU they are measured in the run: the log line is how a reader knows what the floors assumed."""
     cfg = load_config(BASE + [f"actor_rollout_ref.model.path={tiny_model_path}"])
