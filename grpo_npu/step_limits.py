@@ -3,12 +3,18 @@
 Built once per run from the configuration (the actor's and critic's model shapes from their config.json, the
 compute and engine dtypes, the device's peak FLOP/s and bandwidth); :meth:`StepLimits.report` turns one step's
 timer and rows into ``perf/mfu/*``, ``perf/floor_s/*``, ``perf/limit_frac/*`` and ``perf/share/*`` metrics, and
-:meth:`StepLimits.verdict` names the phase furthest from its limit at the end of the run. A model type the FLOP
+:meth:`StepLimits.verdict` names the phase furthest from its limit at the end of the run.
+
+On a CPU the bandwidth is measured, and a shared host's moves within seconds (26-65 GB/s on this project's, in
+bursts of about 5 s; docs/performance.md): :meth:`StepLimits.probe` measures it again at the start of a step, as a
+phase of its own, whenever the probes so far and one more stay within :data:`BANDWIDTH_PROBE_SHARE` of the run's
+step time. Each step's floors use the latest probe (``perf/bandwidth_gbps``). A model type the FLOP
 model does not cover (see ``perf.flops.SUPPORTED_MODEL_TYPES``) turns the report off with one log line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Mapping, Sequence
 
@@ -17,17 +23,22 @@ from transformers import AutoConfig
 from grpo_npu.config import Derived, derive
 from grpo_npu.device import Device
 from grpo_npu.perf.flops import ModelShape, dtype_name
-from grpo_npu.perf.hardware import device_spec
+from grpo_npu.perf.hardware import cpu_bandwidth_probe, device_spec
 from grpo_npu.perf.memory import MemoryInputs, memory_table, over_capacity, plan_memory, plan_metrics
 from grpo_npu.perf.report import StepReport, StepWorkload, step_report, verdict
 from grpo_npu.rollout.vllm_settings import CPU_KV_CACHE_BYTES
+from grpo_npu.run_control import Timer
 from grpo_npu.workers.response_model import (actor_fsdp_wrap_on, actor_reshard_after_forward, compute_dtype_of,
                                              engine_dtype_of)
 
 log = logging.getLogger(__name__)
 
+BANDWIDTH_PROBE = "bandwidth_probe"  # the timer section of a CPU bandwidth re-measurement (StepLimits.probe)
+BANDWIDTH_PROBE_SHARE = 0.01  # the share of the run's step time the re-measurements may take
 # Timer sections that run inside the step and do not overlap (testing and checkpointing run after it).
-STEP_PHASES = ("step", "gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+STEP_PHASES = ("step", BANDWIDTH_PROBE, "gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic",
+               "update_actor")
+BANDWIDTH_METRIC = "perf/bandwidth_gbps"  # the memory bandwidth this step's floors use, GB/s
 SYNC_METRIC = "rollout/weight_sync_s"  # the part of "gen" spent loading the actor's weights into the engine
 # The part of "gen" the weight-sync canary took on the steps it ran (rollout.sync_check: by default the first two):
 # a phase of its own, so that those steps' generation is held to its floor without it.
@@ -61,7 +72,22 @@ class StepLimits:
         self.cfg = cfg
         self.world_size = world_size
         self.reports: list[StepReport] = []
+        self.measured = dev.kind == "cpu"  # the spec's bandwidth is a measurement, worth renewing
+        self.steps_s = self.probes_s = self.last_probe_s = 0.0
         self.memory = memory_plan_metrics(cfg, dev, self.actor, world_size, self.dtype, self.rollout_dtype)
+
+    def probe(self, timer: Timer) -> None:
+        """Measure a CPU's bandwidth again, timed as this step's ``bandwidth_probe`` phase, when the probes so far
+        plus one as long as the last stay within ``BANDWIDTH_PROBE_SHARE`` of the steps reported so far."""
+        if not (self.enabled and self.measured and self.spec is not None):
+            return
+        if self.probes_s + self.last_probe_s > BANDWIDTH_PROBE_SHARE * self.steps_s:
+            return
+        with timer(BANDWIDTH_PROBE):
+            bandwidth = cpu_bandwidth_probe()
+        self.last_probe_s = timer.seconds[BANDWIDTH_PROBE]
+        self.probes_s += self.last_probe_s
+        self.spec = dataclasses.replace(self.spec, bandwidth=bandwidth)
 
     def report(self, seconds: Mapping[str, float], metrics: Mapping[str, float], prompt_lengths: Sequence[int],
                response_lengths: Sequence[int], n: int) -> dict[str, float]:
@@ -86,7 +112,9 @@ class StepLimits:
             critic_ppo_epochs=critic.ppo_epochs or arr.actor.ppo_epochs)
         result = step_report(phases, workload, self.spec)
         self.reports.append(result)
-        return {**result.metrics(), **self.memory}
+        self.steps_s += phases["step"]
+        bandwidth = {BANDWIDTH_METRIC: self.spec.bandwidth / 1e9} if self.spec is not None else {}
+        return {**result.metrics(), **bandwidth, **self.memory}
 
     def verdict(self) -> str:
         """One line: the phase furthest from its limit over the run (see ``perf.report.verdict``)."""

@@ -140,6 +140,7 @@ class Trainer:
                 timer = Timer()
                 self.workers.group.deadline = watchdog.start_step(step, timer)
                 with timer("step"):
+                    self.limits.probe(timer)  # a CPU's bandwidth, measured again just before generating
                     batch, metrics = self.rollouts(step, timer)  # rollout_and_reward (+ dump), or a replayed dump
                     rows = (batch.prompt_lengths.tolist(), batch.response_lengths.tolist())  # generation order
                     if not self._sane_rewards(batch):

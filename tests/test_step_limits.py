@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 
 import pytest
 
 from grpo_npu.config import load_config
 from grpo_npu.device import get_device
 from grpo_npu.perf.hardware import cpu_device_spec
-from grpo_npu.step_limits import BASIS_PREFIX, StepLimits
+from grpo_npu.run_control import Timer
+from grpo_npu.step_limits import BANDWIDTH_METRIC, BANDWIDTH_PROBE, BASIS_PREFIX, StepLimits
 
 BASE = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "trainer.n_gpus_per_node=1",
         "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "algorithm.adv_estimator=grpo",
@@ -59,6 +61,38 @@ def test_the_run_logs_the_peaks_and_bandwidth_its_floors_use(tiny_model_path, ca
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(BASIS_PREFIX)]
     assert lines == [BASIS_PREFIX + limits.spec.summary()]
     assert limits.spec == cpu_device_spec([limits.dtype, limits.rollout_dtype])  # the process's measurement
+
+
+class FixedTimer(Timer):
+    """Every section takes 0.05 s, whatever runs in it."""
+
+    @contextmanager
+    def __call__(self, name):
+        yield
+        self.seconds[name] += 0.05
+
+
+def test_a_cpu_run_measures_its_bandwidth_again_within_a_hundredth_of_its_step_time(tiny_model_path, monkeypatch):
+    """A shared host's bandwidth moves within seconds: a step's floors use a probe taken at its start, as a phase of
+    its own, whenever the probes so far and one more stay within 1% of the step time reported so far."""
+    cfg = load_config(BASE + [f"actor_rollout_ref.model.path={tiny_model_path}", "actor_rollout_ref.rollout.name=vllm"])
+    limits = StepLimits(cfg, get_device("cpu"), world_size=1, use_critic=False)
+    measured = iter([40e9, 20e9, 80e9])
+    monkeypatch.setattr("grpo_npu.step_limits.cpu_bandwidth_probe", lambda: next(measured))
+    steps = []
+    for _ in range(5):  # 4 s steps, 0.05 s probes: at step 1 (nothing spent yet), then when 0.1 s <= 1% of 12 and 16 s
+        timer = FixedTimer()
+        limits.probe(timer)
+        seconds = {**SECONDS, "step": 4.0, **timer.seconds}
+        steps.append((BANDWIDTH_PROBE in timer.seconds,
+                      limits.report(seconds, {"rollout/weight_sync_s": 0.3}, [5, 5, 7, 7], [3, 4, 2, 6], n=2)))
+    assert [probed for probed, _ in steps] == [True, False, False, True, True]
+    assert [m[BANDWIDTH_METRIC] for _, m in steps] == [40, 40, 40, 20, 80]
+    first, fourth = steps[0][1], steps[3][1]
+    assert first["perf/share/bandwidth_probe"] == pytest.approx(0.05 / 4.0)
+    assert "perf/share/bandwidth_probe" not in steps[1][1] and "perf/limit_frac/bandwidth_probe" not in first
+    # half the bandwidth: the bandwidth-only floor doubles, the generation being as long
+    assert fourth["perf/limit_frac/gen_bandwidth"] == pytest.approx(2 * first["perf/limit_frac/gen_bandwidth"])
 
 
 def test_an_unmodelled_model_turns_the_report_off(tiny_model_path, tmp_path, caplog):

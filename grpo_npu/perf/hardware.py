@@ -25,13 +25,16 @@ the 32 GB 910B4 it is an upper bound). Only these four exact names match: a vari
 ``Ascend910B4-1`` or ``Ascend910B2C`` is unknown rather than guessed; pass a :class:`DeviceSpec`.
 
 CPU -- no table: :func:`measured_cpu_matmul_flops` times one large matmul and
-:func:`measured_cpu_bandwidth` one large copy, once per process. All ranks of a CPU run share one
-machine, so its peak is not multiplied by the world size (``ranks_share_device``).
+:func:`measured_cpu_bandwidth` one copy past the last-level cache, once per process
+(:func:`cpu_bandwidth_probe` measures it anew: a shared host's bandwidth moves within seconds, so the
+trainer re-probes between steps). All ranks of a CPU run share one machine, so its peak is not
+multiplied by the world size (``ranks_share_device``).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -128,7 +131,13 @@ def lookup_device(name: str) -> DeviceSpec | None:
 # CPU, measured
 # ------------------------------------------------------------------------------------------------
 CPU_MATMUL_SIZE = 2048  # n of the timed n x n @ n x n product: 17 GFLOP, a fraction of a second on 2 cores
-CPU_COPY_BYTES = 256 * 2**20  # far past any cache, so the copy runs at memory speed
+# The copy spans at least 8x the last-level caches the process can use, so that it streams from memory: on this
+# project's 32 MiB-L3 host, in the trainer's process environment (freed memory kept in the heap), a 64 MiB copy read
+# 35-41 GB/s where 256 MiB read 33-35 GB/s in the same seconds -- part of the smaller copy still hit the cache.
+CPU_COPY_MIN_BYTES = 256 * 2**20
+CPU_COPY_CACHE_MULTIPLE = 8
+CPU_COPY_MAX_BYTES = 2**30  # 2 GiB held for a moment on a many-socket server, whose caches may then be 1/8 of it
+_SYSFS_CPU = "/sys/devices/system/cpu"
 
 
 def best_seconds(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> float:
@@ -159,12 +168,52 @@ def measured_cpu_matmul_flops(dtype: str = "fp32") -> float:
     return 2 * CPU_MATMUL_SIZE**3 / seconds
 
 
+def last_level_cache_bytes(sysfs: str = _SYSFS_CPU) -> int:
+    """Bytes of the last-level caches (each shared cache once) of the CPUs this process may run on; 0 when
+    the kernel does not say (no sysfs cache entries)."""
+    caches: dict[str, int] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        base = f"{sysfs}/cpu{cpu}/cache"
+        try:
+            entries = [e for e in os.listdir(base) if e.startswith("index")]
+            found = []
+            for entry in entries:
+                with open(f"{base}/{entry}/level") as f:
+                    level = int(f.read())
+                with open(f"{base}/{entry}/size") as f:
+                    size = f.read().strip()
+                with open(f"{base}/{entry}/shared_cpu_list") as f:
+                    shared = f.read().strip()
+                found.append((level, shared, size))
+        except (OSError, ValueError):
+            continue
+        if found:
+            level, shared, size = max(found)
+            number = re.fullmatch(r"(\d+)([KMG]?)", size)
+            if number:
+                caches[f"{level}:{shared}"] = int(number.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[
+                    number.group(2)]
+    return sum(caches.values())
+
+
+def cpu_copy_bytes() -> int:
+    """Bytes the bandwidth probe copies: ``CPU_COPY_CACHE_MULTIPLE`` x the last-level caches, at least
+    :data:`CPU_COPY_MIN_BYTES` and at most :data:`CPU_COPY_MAX_BYTES`."""
+    return min(CPU_COPY_MAX_BYTES, max(CPU_COPY_MIN_BYTES, CPU_COPY_CACHE_MULTIPLE * last_level_cache_bytes()))
+
+
+def cpu_bandwidth_probe() -> float:
+    """Bytes/s of one in-memory copy past the caches (each byte read once and written once), best of 3, now."""
+    nbytes = cpu_copy_bytes()
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / best_seconds(lambda: dst.copy_(src))
+
+
 @functools.cache
 def measured_cpu_bandwidth() -> float:
-    """Bytes/s of a large in-memory copy (each byte read once and written once), once per process."""
-    src = torch.ones(CPU_COPY_BYTES // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    return 2 * CPU_COPY_BYTES / best_seconds(lambda: dst.copy_(src))
+    """:func:`cpu_bandwidth_probe`, once per process."""
+    return cpu_bandwidth_probe()
 
 
 def cpu_device_spec(dtypes: Iterable[str | torch.dtype] = ("fp32",)) -> DeviceSpec:
@@ -172,7 +221,7 @@ def cpu_device_spec(dtypes: Iterable[str | torch.dtype] = ("fp32",)) -> DeviceSp
     names = sorted({dtype_name(d) for d in dtypes})
     return DeviceSpec(f"CPU ({torch.get_num_threads()} threads)",
                       {d: measured_cpu_matmul_flops(d) for d in names}, measured_cpu_bandwidth(),
-                      "measured: best of a 2048^3 matmul and a 256 MiB copy", ranks_share_device=True)
+                      f"measured: best of a 2048^3 matmul and a {cpu_copy_bytes() >> 20} MiB copy", ranks_share_device=True)
 
 
 def device_spec(kind: str, name: str, dtypes: Iterable[str | torch.dtype] = ("fp32",)) -> DeviceSpec | None:
@@ -182,5 +231,6 @@ def device_spec(kind: str, name: str, dtypes: Iterable[str | torch.dtype] = ("fp
     return lookup_device(name)
 
 
-__all__ = ["DeviceSpec", "KNOWN_DEVICES", "best_seconds", "cpu_device_spec", "device_spec", "lookup_device",
-           "measured_cpu_bandwidth", "measured_cpu_matmul_flops"]
+__all__ = ["DeviceSpec", "KNOWN_DEVICES", "best_seconds", "cpu_bandwidth_probe", "cpu_copy_bytes", "cpu_device_spec",
+           "device_spec", "last_level_cache_bytes", "lookup_device", "measured_cpu_bandwidth",
+           "measured_cpu_matmul_flops"]

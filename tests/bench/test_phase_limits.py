@@ -33,7 +33,7 @@ def test_full_size_is_qwen2_5_0_5b_shape():
     assert pl.WORK.response_len <= 32 and pl.WORK.prompts * pl.WORK.n <= 8  # a step well under a few minutes
 
 
-def _step(step_s, gen_share, gen_frac, sync_s, bandwidth_frac, update_frac=0.5):
+def _step(step_s, gen_share, gen_frac, sync_s, bandwidth_frac, update_frac=0.5, gbps=32.0):
     """A metrics.jsonl step row as the trainer writes it (perf/* from grpo_npu.perf.report.StepReport.metrics)."""
     return {"timing_s/step": step_s, "rollout/weight_sync_s": sync_s,
             "perf/share/gen": gen_share, "perf/floor_s/gen": gen_frac * gen_share * step_s,
@@ -41,44 +41,53 @@ def _step(step_s, gen_share, gen_frac, sync_s, bandwidth_frac, update_frac=0.5):
             "perf/share/update_actor": 0.5, "perf/floor_s/update_actor": update_frac * 0.5 * step_s,
             "perf/limit_frac/update_actor": update_frac,
             "perf/share/sync": sync_s / step_s, "perf/floor_s/sync": sync_s / 3, "perf/limit_frac/sync": 1 / 3,
-            "perf/share/reward": 0.01, "perf/mfu/actor": 0.4}
+            "perf/share/reward": 0.01, "perf/mfu/actor": 0.4, "perf/bandwidth_gbps": gbps}
 
 
-def test_phase_rows_take_each_phases_best_step_from_the_metrics():
-    steps = [_step(10.0, 0.3, 0.5, 1.0, 0.4, update_frac=0.9), _step(8.0, 0.25, 0.8, 0.6, 0.55, update_frac=0.7)]
-    rows = {r["phase"]: r for r in pl.phase_rows(steps)}
+# three timed steps, each phase's median in a different one
+STEPS = [_step(10.0, 0.3, 0.5, 1.0, 0.4, update_frac=0.9), _step(8.0, 0.25, 0.8, 0.6, 0.55, update_frac=0.7),
+         _step(9.0, 0.2, 0.6, 0.8, 0.7, update_frac=0.6)]
+
+
+def test_median_takes_the_worse_middle_of_an_even_count():
+    assert pl.median([3.0, 1.0, 2.0]) == 2.0 and pl.median([1.0, 2.0]) == 2.0
+    assert pl.median([1.0, 2.0], higher_is_better=True) == 1.0
+
+
+def test_phase_rows_take_each_phases_median_step_from_the_metrics():
+    rows = {r["phase"]: r for r in pl.phase_rows(STEPS)}
     assert set(rows) == {"gen", "update_actor", "sync", "reward"}
-    gen = rows["gen"]  # the second step is closer to gen's floor
-    assert gen["limit_frac"] == 0.8 and gen["time_over_floor"] == pytest.approx(1.25)
-    assert gen["seconds"] == pytest.approx(0.25 * 8.0) and gen["floor_s"] == pytest.approx(0.8 * 2.0)
-    assert gen["seconds_all"] == "3/2"
-    update = rows["update_actor"]  # ...but the first step is closer to the update's
-    assert update["limit_frac"] == 0.9 and update["seconds"] == pytest.approx(5.0)
-    reward = rows["reward"]  # no floor: shares only, the least time
-    assert "time_over_floor" not in reward and reward["seconds"] == pytest.approx(0.08)
+    gen = rows["gen"]  # fractions 0.5 / 0.8 / 0.6: the third step's
+    assert gen["limit_frac"] == 0.6 and gen["time_over_floor"] == pytest.approx(1 / 0.6)
+    assert gen["seconds"] == pytest.approx(0.2 * 9.0) and gen["floor_s"] == pytest.approx(0.6 * 1.8)
+    assert gen["seconds_all"] == "3/2/1.8"
+    update = rows["update_actor"]  # 0.9 / 0.7 / 0.6: the second step's
+    assert update["limit_frac"] == 0.7 and update["seconds"] == pytest.approx(4.0)
+    reward = rows["reward"]  # no floor: shares only, the median time (0.1 / 0.08 / 0.09 s)
+    assert "time_over_floor" not in reward and reward["seconds"] == pytest.approx(0.09)
 
 
 def test_targets_one_per_floored_phase_plus_decode_and_sync_over_copy():
-    steps = [_step(10.0, 0.3, 0.5, 1.0, 0.4), _step(8.0, 0.25, 0.8, 0.6, 0.55)]
     result = BenchResult(name="phase_limits")
     floor = {"copy_s": 0.25, "sync_s": 0.5, "prepack_s": 0.3, "state_MB": 2000.0, "sync_path": "direct", "tensors": 9}
-    sync = pl.add_targets(result, pl.phase_rows(steps), steps, floor)
+    sync = pl.add_targets(result, pl.phase_rows(STEPS), STEPS, floor)
     t = result.targets
     assert set(t) == {"gen_time_over_floor", "update_actor_time_over_floor", "sync_time_over_floor",
                       "gen_fraction_of_bandwidth_floor", "weight_sync_over_copy_plus_prepack"}
-    assert t["gen_time_over_floor"] == {"measured": pytest.approx(1.25), "target": "<= 1.5", "passed": True}
-    assert t["update_actor_time_over_floor"]["measured"] == pytest.approx(2.0)
-    assert not t["update_actor_time_over_floor"]["passed"]
-    # the sync row's step (both at 1/3 of the bandwidth floor: the first, 1.0 s): floor 1.0 / 3 + the prepack 0.3 s
-    assert t["sync_time_over_floor"] == {"measured": pytest.approx(1.0 / (1.0 / 3 + 0.3)), "target": "<= 1.5",
-                                         "passed": False}
+    assert t["gen_time_over_floor"] == {"measured": pytest.approx(1 / 0.6), "target": "<= 1.5", "passed": False}
+    assert t["update_actor_time_over_floor"] == {"measured": pytest.approx(1 / 0.7), "target": "<= 1.5",
+                                                 "passed": True}
+    # every step's sync at 1/3 of its bandwidth floor: the median (the second step, 0.6 s) + the prepack 0.3 s
+    assert t["sync_time_over_floor"] == {"measured": pytest.approx(0.6 / (0.6 / 3 + 0.3)), "target": "<= 1.5",
+                                         "passed": True}
     assert t["gen_fraction_of_bandwidth_floor"] == {"measured": 0.55, "target": ">= 0.6", "passed": False}
-    assert t["weight_sync_over_copy_plus_prepack"] == {"measured": pytest.approx(0.6 / 0.55), "target": "<= 2.0",
+    # the median sync, 0.8 s, over copy_ + prepack
+    assert t["weight_sync_over_copy_plus_prepack"] == {"measured": pytest.approx(0.8 / 0.55), "target": "<= 2.0",
                                                        "passed": True}
-    assert sync["sync_over_copy"] == pytest.approx(0.6 / 0.25)  # against copy_ alone: kept in the row
+    assert sync["sync_over_copy"] == pytest.approx(0.8 / 0.25)  # against copy_ alone: kept in the row
     assert sync["prepack_share_of_isolated_sync"] == pytest.approx(0.6)
     assert sync["sync_less_prepack_over_copy"] == pytest.approx(0.8)
-    assert sync["sync_over_copy_plus_prepack"] == pytest.approx(0.6 / 0.55)
+    assert sync["sync_over_copy_plus_prepack"] == pytest.approx(0.8 / 0.55)
 
 
 def test_a_phase_faster_than_its_floor_is_flagged():
@@ -119,16 +128,14 @@ def test_the_run_step_reads_the_floors_basis_and_verdict_from_the_runs_log(tmp_p
     assert len(step["steps"]) == pl.WORK.timed_steps
 
 
-def test_the_host_bandwidth_row_rescales_the_decode_fraction_to_the_fastest_probe():
-    from grpo_npu.perf.hardware import DeviceSpec
-
-    # the line the trainer logs (step_limits.BASIS_PREFIX + DeviceSpec.summary()): the row reads its bandwidth
-    basis = DeviceSpec("CPU (2 threads)", {"fp32": 215e9}, 32.5e9, "measured").summary()
-    row = pl.host_bandwidth_row([31e9, 50e9, 27e9, 33e9, 32e9], basis, bandwidth_frac=0.62)
-    assert (row["probes"], row["min_GBps"], row["median_GBps"], row["max_GBps"]) == (5, 27, 32, 50)
-    assert row["run_GBps"] == 32.5
-    assert row["gen_fraction_of_bandwidth_floor_at_max"] == pytest.approx(0.62 * 32.5 / 50)
-    assert "run_GBps" not in pl.host_bandwidth_row([31e9], None, 0.5)  # no basis line: the spread only
+def test_the_host_bandwidth_row_shows_each_steps_probe_and_rescales_the_decode_to_the_fastest():
+    steps = [_step(10.0, 0.3, 0.5, 1.0, 0.62, gbps=32.5), _step(10.0, 0.3, 0.5, 1.0, 0.5, gbps=48.0),
+             _step(10.0, 0.3, 0.5, 1.0, 0.7, gbps=30.0)]
+    row = pl.host_bandwidth_row([31e9, 45e9, 27e9, 33e9, 32e9], steps)
+    assert (row["probes"], row["min_GBps"], row["median_GBps"], row["max_GBps"]) == (5, 27, 32, 45)
+    assert row["run_GBps"] == "32.5/48.0/30.0"
+    # fraction x bandwidth per step: 20.15 / 24 / 21 GB/s; the median, over the fastest probe (the run's 48)
+    assert row["gen_fraction_of_bandwidth_floor_at_max"] == pytest.approx(21 / 48)
 
 
 def test_host_bandwidth_series_probes_with_the_runs_threads_and_restores_the_callers():

@@ -93,3 +93,35 @@ def test_device_spec_uses_the_table_off_cpu():
     assert H.device_spec("cuda", "NVIDIA H100 PCIe") is H.H100_PCIE
     assert H.device_spec("npu", "Ascend910B3") is H.ASCEND_910B["3"]
     assert H.device_spec("npu", "Ascend910B9") is None
+
+
+def _fake_sysfs(root, caches):
+    """cpu -> [(level, size, shared_cpu_list)] as the kernel lays them out under /sys/devices/system/cpu."""
+    for cpu, entries in caches.items():
+        for i, (level, size, shared) in enumerate(entries):
+            d = root / f"cpu{cpu}" / "cache" / f"index{i}"
+            d.mkdir(parents=True)
+            (d / "level").write_text(f"{level}\n")
+            (d / "size").write_text(f"{size}\n")
+            (d / "shared_cpu_list").write_text(f"{shared}\n")
+
+
+@pytest.mark.parametrize("shared, expected_mib", [("0-1", 32), (None, 64)])
+def test_the_last_level_cache_counts_each_shared_cache_once(tmp_path, monkeypatch, shared, expected_mib):
+    monkeypatch.setattr(H.os, "sched_getaffinity", lambda pid: {0, 1})
+    _fake_sysfs(tmp_path, {cpu: [(1, "48K", str(cpu)), (2, "1024K", str(cpu)), (3, "32768K", shared or str(cpu))]
+                           for cpu in (0, 1)})
+    assert H.last_level_cache_bytes(str(tmp_path)) == expected_mib * 2**20
+
+
+def test_the_bandwidth_probe_copies_8x_the_last_level_cache_within_256_mib_and_1_gib(tmp_path, monkeypatch):
+    monkeypatch.setattr(H.os, "sched_getaffinity", lambda pid: {0})
+    assert H.last_level_cache_bytes(str(tmp_path)) == 0  # no cache entries: unknown
+    monkeypatch.setattr(H, "last_level_cache_bytes", lambda: 0)
+    assert H.cpu_copy_bytes() == 256 * 2**20
+    monkeypatch.setattr(H, "last_level_cache_bytes", lambda: 32 * 2**20)  # this project's host
+    assert H.cpu_copy_bytes() == 256 * 2**20
+    monkeypatch.setattr(H, "last_level_cache_bytes", lambda: 96 * 2**20)
+    assert H.cpu_copy_bytes() == 768 * 2**20
+    monkeypatch.setattr(H, "last_level_cache_bytes", lambda: 512 * 2**20)  # e.g. 2 sockets of 8 CCDs of 32 MiB
+    assert H.cpu_copy_bytes() == 2**30
