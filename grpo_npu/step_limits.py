@@ -6,9 +6,10 @@ timer and rows into ``perf/mfu/*``, ``perf/floor_s/*``, ``perf/limit_frac/*`` an
 :meth:`StepLimits.verdict` names the phase furthest from its limit at the end of the run.
 
 On a CPU the bandwidth is measured, and a shared host's moves within seconds (26-65 GB/s on this project's, in
-bursts of about 5 s; docs/performance.md): :meth:`StepLimits.probe` measures it again at the start of a step, as a
-phase of its own, whenever the probes so far and one more stay within :data:`BANDWIDTH_PROBE_SHARE` of the run's
-step time. Each step's floors use the latest probe (``perf/bandwidth_gbps``). A model type the FLOP
+bursts of about 5 s; docs/performance.md): it is measured when the report is built (after the engine), and
+:meth:`StepLimits.probe` measures it again at the start of a step, as a phase of its own, whenever the probes so
+far and one more stay within :data:`BANDWIDTH_PROBE_SHARE` of the run's step time. Each step's floors use the
+latest probe (``perf/bandwidth_gbps``). A model type the FLOP
 model does not cover (see ``perf.flops.SUPPORTED_MODEL_TYPES``) turns the report off with one log line.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Mapping, Sequence
 
 from transformers import AutoConfig
@@ -65,15 +67,19 @@ class StepLimits:
         self.dtype = compute_dtype_of(arr.model, arr.actor.fsdp_config, dev)
         self.rollout_dtype = engine_dtype_of(arr, dev)
         self.spec = device_spec(dev.kind, dev.device_name(), dtypes=(self.dtype, self.rollout_dtype))
+        self.measured = dev.kind == "cpu"  # the spec's bandwidth is a measurement, worth renewing (probe)
+        self.steps_s = self.probes_s = self.last_probe_s = 0.0
+        if self.measured and self.spec is not None:  # measured now, after the engine's build, and timed: the cost
+            start = time.perf_counter()                # of a probe, which step 1 may not yet afford
+            self.spec = dataclasses.replace(self.spec, bandwidth=cpu_bandwidth_probe())
+            self.last_probe_s = time.perf_counter() - start
         if self.spec is None:
             log.info("perf: %s is not in the device table: phase shares only, no floors or MFU", dev.device_name())
-        else:  # on a CPU measured now: a shared host's bandwidth moves by minutes (docs/performance.md)
+        else:
             log.info("%s%s", BASIS_PREFIX, self.spec.summary())
         self.cfg = cfg
         self.world_size = world_size
         self.reports: list[StepReport] = []
-        self.measured = dev.kind == "cpu"  # the spec's bandwidth is a measurement, worth renewing
-        self.steps_s = self.probes_s = self.last_probe_s = 0.0
         self.memory = memory_plan_metrics(cfg, dev, self.actor, world_size, self.dtype, self.rollout_dtype)
 
     def probe(self, timer: Timer) -> None:

@@ -60,7 +60,8 @@ def test_the_run_logs_the_peaks_and_bandwidth_its_floors_use(tiny_model_path, ca
         limits = StepLimits(cfg, get_device("cpu"), world_size=1, use_critic=False)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(BASIS_PREFIX)]
     assert lines == [BASIS_PREFIX + limits.spec.summary()]
-    assert limits.spec == cpu_device_spec([limits.dtype, limits.rollout_dtype])  # the process's measurement
+    process = cpu_device_spec([limits.dtype, limits.rollout_dtype])  # the process's measurement: its peaks
+    assert limits.spec.peak_flops == process.peak_flops and limits.spec.bandwidth > 1e8  # the bandwidth anew
 
 
 class FixedTimer(Timer):
@@ -76,23 +77,25 @@ def test_a_cpu_run_measures_its_bandwidth_again_within_a_hundredth_of_its_step_t
     """A shared host's bandwidth moves within seconds: a step's floors use a probe taken at its start, as a phase of
     its own, whenever the probes so far and one more stay within 1% of the step time reported so far."""
     cfg = load_config(BASE + [f"actor_rollout_ref.model.path={tiny_model_path}", "actor_rollout_ref.rollout.name=vllm"])
-    limits = StepLimits(cfg, get_device("cpu"), world_size=1, use_critic=False)
-    measured = iter([40e9, 20e9, 80e9])
+    measured = iter([40e9, 20e9, 80e9, 10e9])
     monkeypatch.setattr("grpo_npu.step_limits.cpu_bandwidth_probe", lambda: next(measured))
+    limits = StepLimits(cfg, get_device("cpu"), world_size=1, use_critic=False)  # probes once, timed
+    assert limits.spec.bandwidth == 40e9 and 0 < limits.last_probe_s < 0.01  # the fake probe returns at once
     steps = []
-    for _ in range(5):  # 4 s steps, 0.05 s probes: at step 1 (nothing spent yet), then when 0.1 s <= 1% of 12 and 16 s
+    for _ in range(5):  # 4 s steps, 0.05 s probes: none in step 1 (no step time yet), then when the probes so far
+        # and one more fit 1% of the steps so far: 0.05 <= 0.04 + ... at step 2, 0.1 <= 0.12 at 4, 0.15 <= 0.16 at 5
         timer = FixedTimer()
         limits.probe(timer)
         seconds = {**SECONDS, "step": 4.0, **timer.seconds}
         steps.append((BANDWIDTH_PROBE in timer.seconds,
                       limits.report(seconds, {"rollout/weight_sync_s": 0.3}, [5, 5, 7, 7], [3, 4, 2, 6], n=2)))
-    assert [probed for probed, _ in steps] == [True, False, False, True, True]
-    assert [m[BANDWIDTH_METRIC] for _, m in steps] == [40, 40, 40, 20, 80]
-    first, fourth = steps[0][1], steps[3][1]
-    assert first["perf/share/bandwidth_probe"] == pytest.approx(0.05 / 4.0)
-    assert "perf/share/bandwidth_probe" not in steps[1][1] and "perf/limit_frac/bandwidth_probe" not in first
+    assert [probed for probed, _ in steps] == [False, True, False, True, True]
+    assert [m[BANDWIDTH_METRIC] for _, m in steps] == [40, 20, 20, 80, 10]
+    first, second = steps[0][1], steps[1][1]
+    assert second["perf/share/bandwidth_probe"] == pytest.approx(0.05 / 4.0)
+    assert "perf/share/bandwidth_probe" not in first and "perf/limit_frac/bandwidth_probe" not in second
     # half the bandwidth: the bandwidth-only floor doubles, the generation being as long
-    assert fourth["perf/limit_frac/gen_bandwidth"] == pytest.approx(2 * first["perf/limit_frac/gen_bandwidth"])
+    assert second["perf/limit_frac/gen_bandwidth"] == pytest.approx(2 * first["perf/limit_frac/gen_bandwidth"])
 
 
 def test_an_unmodelled_model_turns_the_report_off(tiny_model_path, tmp_path, caplog):
