@@ -9,6 +9,15 @@ grad_x = g @ W (weight argument W.T) and grad_W = g.T @ x (weight argument x.T);
 
 Backends: ``onednn`` (CPU fp32 tensors, when the op exists and a probe matches F.linear) and
 ``reference`` (F.linear: every other dtype and device, DTensors, empty inputs).
+
+Small products stay on F.linear under either backend: oneDNN's call costs 10-15 us more than MKL's, so MKL
+finishes first below a few million multiply-adds. Measured on this project's CPU (2 threads, fp32, best of 3):
+(M, N, K) = (64, 128, 128) 11 us against oneDNN's 22, (128, 128, 128) 27 against 36, (4, 1024, 128) 30 against
+34, (64, 256, 256) 55 against 58; from (128, 384, 128) (6.3 M) oneDNN is faster, and at (4, 896, 896) (weights of
+0.8 M values, 3.2 M multiply-adds) it is 88 against MKL's 157 us. Hence both bounds: :data:`SMALL_WEIGHT`
+and :data:`SMALL_PRODUCT`. The decision depends on the shapes alone, so a pass with and one without autograd
+over the same rows multiply alike. The transformers rollout's decode steps of a small model are made of such
+products.
 """
 
 from __future__ import annotations
@@ -45,6 +54,9 @@ def onednn_available() -> bool:
 def _auto() -> str:
     return "onednn" if onednn_available() else "reference"
 
+
+SMALL_WEIGHT = 2**18  # weight values (N x K) at most, and ...
+SMALL_PRODUCT = 2**22  # ... multiply-adds (M x N x K) at most: F.linear is faster than oneDNN (module docstring)
 
 BACKEND = dispatch.register(dispatch.OpBackend("linear", supported=("onednn", "reference"), auto=_auto))
 
@@ -106,12 +118,21 @@ def mm_nt(a: torch.Tensor, b: torch.Tensor, *, onednn: bool) -> torch.Tensor:
     return a @ b.t()
 
 
+def small_product(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """``x @ weight.T`` is small enough that F.linear beats oneDNN (:data:`SMALL_WEIGHT`, :data:`SMALL_PRODUCT`)."""
+    values = weight.shape[0] * weight.shape[-1]
+    return values <= SMALL_WEIGHT and x.numel() // max(x.shape[-1], 1) * values <= SMALL_PRODUCT
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; fp32 CPU tensors go through oneDNN when the backend is ``onednn``.
+    """``F.linear(x, weight, bias)``; fp32 CPU tensors go through oneDNN when the backend is ``onednn`` and the
+    product is not small (:func:`small_product`).
 
     Without autograd (no-grad passes: generation, old and reference log-probs) the product is the same oneDNN
     call without the autograd Function around it, which cost 7-20 us a call (a decode step of a small model
     makes dozens of calls)."""
+    if small_product(x, weight):
+        return F.linear(x, weight, bias)
     if BACKEND.pick(x) == "onednn" and _onednn_fits(x, weight, bias):
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                         (bias is not None and bias.requires_grad)):

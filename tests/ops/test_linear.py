@@ -23,6 +23,8 @@ def _reference(x, w, b, g):
 
 @pytest.fixture
 def counted_mm(monkeypatch):
+    """Counts oneDNN's products; the tests' small shapes are taken to oneDNN too (no small-product bound)."""
+    monkeypatch.setattr(linear_op, "SMALL_WEIGHT", -1)
     calls = []
     real = linear_op._mm
 
@@ -124,3 +126,28 @@ def test_without_autograd_the_same_product_skips_the_function(mode, counted_mm, 
     assert applied == [1] and len(counted_mm) == 2  # one oneDNN product each, no Function the second time
     assert y.grad_fn is None and y.shape == (2, 5, 40)
     assert torch.equal(y, with_grad.detach())
+
+
+@needs_onednn
+@pytest.mark.parametrize("m, n, k, onednn", [
+    (64, 128, 128, False), (128, 128, 128, False), (4, 1024, 128, False), (64, 256, 256, False),
+    (128, 384, 128, True),  # 6.3 M multiply-adds
+    (4, 896, 896, True),  # 3.2 M multiply-adds, but 0.8 M weight values
+])
+@pytest.mark.parametrize("grad", [False, True])
+def test_small_products_stay_on_f_linear_with_or_without_autograd(m, n, k, onednn, grad, monkeypatch):
+    calls = []
+    real = linear_op._mm
+    monkeypatch.setattr(linear_op, "_mm", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen, requires_grad=grad)
+    with dispatch.use_backend("onednn", ops=("linear",)):
+        y = linear_op.linear(x, w)
+    assert bool(calls) == onednn and linear_op.small_product(x, w) == (not onednn)
+    if onednn:
+        torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    else:
+        assert torch.equal(y, F.linear(x, w))
+        if grad:
+            y.sum().backward()
+            assert w.grad is not None and not calls
