@@ -49,6 +49,8 @@ from bench.common import BenchResult, bench_main
 SIDES = ("grpo_npu_hf", "trl", "grpo_npu_vllm")
 LABELS = {"grpo_npu_hf": "grpo_npu (rollout=hf)", "trl": "TRL GRPOTrainer", "grpo_npu_vllm": "grpo_npu (rollout=vllm)"}
 TARGET_SPEEDUP = {"grpo_npu_vllm": 1.5, "grpo_npu_hf": 1.2}  # issue 20, CPU, public CLI
+# issue 20 item 4: the transformers rollout's generation beats TRL's; per response token, as eos answers differ
+TARGET_HF_GENERATION = 1.0
 MODELS = ("3m", "tiny-sft", "0.5b")
 SIDE_TIMEOUT_S = 1800.0  # one side's process, start to end
 TRL_PATH_ENV = "BENCH_TRL_PATH"  # a folder holding trl (pip install --target), for TRL's process only
@@ -305,6 +307,18 @@ def check_workload(result: BenchResult, work: Workload, inputs: dict, rows: dict
                     f"{'/'.join(f'{r:.2f}' for r in per_round)}x (median {statistics.median(per_round):.2f}x, "
                     f"the target's); the whole run's fastest steps: {overall:.2f}x in wall time, "
                     f"{cpu_ratio:.2f}x in CPU seconds (TRL's / ours)")
+    if {"trl", "grpo_npu_hf"} <= rows.keys():
+        per_round = [gen_per_token(one["trl"]) / gen_per_token(one["grpo_npu_hf"]) for one in rounds]
+        result.add_target(f"{work.name}_grpo_npu_hf_vs_trl_generation_per_token", statistics.median(per_round),
+                          TARGET_HF_GENERATION)
+        result.notes.append(
+            f"{work.name}: the transformers rollout's generation vs TRL's, seconds per response token in each round's "
+            f"fastest step (TRL's / ours): {'/'.join(f'{r:.2f}' for r in per_round)}x (median, the target's)")
+
+
+def gen_per_token(row: dict) -> float:
+    """A row's generation seconds per response token (its fastest step's)."""
+    return row["gen_s"] / row["response_tokens_per_step"]
 
 
 def target_name(work: Workload, side: str) -> str:

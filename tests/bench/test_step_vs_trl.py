@@ -123,7 +123,7 @@ def test_target_is_the_median_of_each_rounds_ratio():
     from bench.common import BenchResult
 
     def rows(ours, trl):
-        side = {"prompt_tokens_per_step": 800, "response_tokens_per_step": 4096, "cpu_s": 1.0}
+        side = {"prompt_tokens_per_step": 800, "response_tokens_per_step": 4096, "cpu_s": 1.0, "gen_s": 0.3}
         return {"trl": {**side, "steps_per_s": 1 / trl}, "grpo_npu_hf": {**side, "steps_per_s": 1 / ours}}
 
     # the host slows between rounds: the whole run's fastest steps (0.5 s ours, 1.0 s TRL's) come from
@@ -134,6 +134,26 @@ def test_target_is_the_median_of_each_rounds_ratio():
                        rounds)
     assert result.targets["fixed_grpo_npu_hf_vs_trl_steps_per_s"]["measured"] == pytest.approx(1.25)
     assert any("1.50/1.25/1.00x (median 1.25x" in n and "2.00x in wall time" in n for n in result.notes)
+
+
+def test_the_transformers_rollouts_generation_is_held_to_trls_per_response_token():
+    from bench.common import BenchResult
+
+    def rows(gen_ours, tokens_ours, gen_trl, tokens_trl):
+        side = {"prompt_tokens_per_step": 800, "steps_per_s": 1.0, "cpu_s": 1.0}
+        return {"trl": {**side, "gen_s": gen_trl, "response_tokens_per_step": tokens_trl},
+                "grpo_npu_hf": {**side, "gen_s": gen_ours, "response_tokens_per_step": tokens_ours}}
+
+    # eos: our answers are longer in the second round; per token we are 1.5x, 0.9x and 1.2x TRL's speed
+    rounds = [rows(0.1, 800, 0.15, 800), rows(0.2, 900, 0.16, 800), rows(0.1, 800, 0.12, 800)]
+    result = BenchResult(name="step_vs_trl")
+    svt.check_workload(result, svt.EOS, {"prompt_tokens": 200}, rounds[0], rounds)
+    target = result.targets["eos_grpo_npu_hf_vs_trl_generation_per_token"]
+    assert target == {"measured": pytest.approx(1.2), "target": ">= 1.0", "passed": True}
+    assert any("1.50/0.90/1.20x" in n for n in result.notes)
+    without_hf = BenchResult(name="step_vs_trl")
+    svt.check_workload(without_hf, svt.EOS, {"prompt_tokens": 200}, {"trl": rounds[0]["trl"]})
+    assert not without_hf.targets
 
 
 def test_ratios_and_mismatch_checks():
