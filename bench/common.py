@@ -107,11 +107,11 @@ def run_meta(quick: bool) -> dict:
     machine = f"{cpu} ({os.cpu_count()} CPUs), torch {torch.__version__}"
     if torch.cuda.is_available():  # the accelerator a run may have used (bench code may name torch.cuda)
         machine = f"{torch.cuda.get_device_name(0)}, {machine}"
-    from grpo_npu.perf.hardware import measured_cpu_bandwidth, measured_cpu_matmul_flops
+    from grpo_npu.perf.hardware import cpu_bandwidth_probe, measured_cpu_matmul_flops
 
     load = "load average " + "/".join(f"{x:.1f}" for x in os.getloadavg())
     speed = (f"{measured_cpu_matmul_flops.__wrapped__() / 1e9:.0f} GFLOP/s fp32 CPU matmul and "
-             f"{measured_cpu_bandwidth.__wrapped__() / 1e9:.0f} GB/s copy ({torch.get_num_threads()} threads)")
+             f"{cpu_bandwidth_probe() / 1e9:.0f} GB/s copy ({torch.get_num_threads()} threads)")
     return {"quick": quick, "measured_at": datetime.date.today().isoformat(), "machine": machine,
             "load": f"{load} and {speed} at the end"}
 

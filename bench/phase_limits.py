@@ -188,7 +188,7 @@ def host_bandwidth_series(probes: int, every_s: float, threads: int) -> list[flo
     """``probes`` measurements of the copy bandwidth the run's floors use (bytes/s), ``every_s`` apart."""
     import torch
 
-    from grpo_npu.perf.hardware import measured_cpu_bandwidth
+    from grpo_npu.perf.hardware import cpu_bandwidth_probe
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -197,7 +197,7 @@ def host_bandwidth_series(probes: int, every_s: float, threads: int) -> list[flo
         for i in range(probes):
             if i:
                 time.sleep(every_s)
-            series.append(measured_cpu_bandwidth.__wrapped__())
+            series.append(cpu_bandwidth_probe())
         return series
     finally:
         torch.set_num_threads(before)

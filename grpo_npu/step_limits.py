@@ -25,7 +25,7 @@ from transformers import AutoConfig
 from grpo_npu.config import Derived, derive
 from grpo_npu.device import Device
 from grpo_npu.perf.flops import ModelShape, dtype_name
-from grpo_npu.perf.hardware import cpu_bandwidth_probe, device_spec
+from grpo_npu.perf.hardware import cpu_bandwidth_probe, cpu_device_spec, device_spec
 from grpo_npu.perf.memory import MemoryInputs, memory_table, over_capacity, plan_memory, plan_metrics
 from grpo_npu.perf.report import StepReport, StepWorkload, step_report, verdict
 from grpo_npu.rollout.vllm_settings import CPU_KV_CACHE_BYTES
@@ -66,13 +66,15 @@ class StepLimits:
             return
         self.dtype = compute_dtype_of(arr.model, arr.actor.fsdp_config, dev)
         self.rollout_dtype = engine_dtype_of(arr, dev)
-        self.spec = device_spec(dev.kind, dev.device_name(), dtypes=(self.dtype, self.rollout_dtype))
         self.measured = dev.kind == "cpu"  # the spec's bandwidth is a measurement, worth renewing (probe)
         self.steps_s = self.probes_s = self.last_probe_s = 0.0
-        if self.measured and self.spec is not None:  # measured now, after the engine's build, and timed: the cost
-            start = time.perf_counter()                # of a probe, which step 1 may not yet afford
-            self.spec = dataclasses.replace(self.spec, bandwidth=cpu_bandwidth_probe())
+        if self.measured:  # the bandwidth measured now, after the engine's build, and timed: the cost of a probe,
+            start = time.perf_counter()  # which step 1 may not yet afford
+            bandwidth = cpu_bandwidth_probe()
             self.last_probe_s = time.perf_counter() - start
+            self.spec = cpu_device_spec((self.dtype, self.rollout_dtype), bandwidth=bandwidth)
+        else:
+            self.spec = device_spec(dev.kind, dev.device_name(), dtypes=(self.dtype, self.rollout_dtype))
         if self.spec is None:
             log.info("perf: %s is not in the device table: phase shares only, no floors or MFU", dev.device_name())
         else:
@@ -85,7 +87,7 @@ class StepLimits:
     def probe(self, timer: Timer) -> None:
         """Measure a CPU's bandwidth again, timed as this step's ``bandwidth_probe`` phase, when the probes so far
         plus one as long as the last stay within ``BANDWIDTH_PROBE_SHARE`` of the steps reported so far."""
-        if not (self.enabled and self.measured and self.spec is not None):
+        if not (self.enabled and self.measured):
             return
         if self.probes_s + self.last_probe_s > BANDWIDTH_PROBE_SHARE * self.steps_s:
             return

@@ -168,9 +168,10 @@ def measured_cpu_matmul_flops(dtype: str = "fp32") -> float:
     return 2 * CPU_MATMUL_SIZE**3 / seconds
 
 
+@functools.cache
 def last_level_cache_bytes(sysfs: str = _SYSFS_CPU) -> int:
     """Bytes of the last-level caches (each shared cache once) of the CPUs this process may run on; 0 when
-    the kernel does not say (no sysfs cache entries)."""
+    the kernel does not say (no sysfs cache entries). Read once per process and path."""
     caches: dict[str, int] = {}
     for cpu in sorted(os.sched_getaffinity(0)):
         base = f"{sysfs}/cpu{cpu}/cache"
@@ -216,12 +217,15 @@ def measured_cpu_bandwidth() -> float:
     return cpu_bandwidth_probe()
 
 
-def cpu_device_spec(dtypes: Iterable[str | torch.dtype] = ("fp32",)) -> DeviceSpec:
-    """This machine's CPU, its matmul peak measured for each of ``dtypes``."""
+def cpu_device_spec(dtypes: Iterable[str | torch.dtype] = ("fp32",), bandwidth: float | None = None) -> DeviceSpec:
+    """This machine's CPU, its matmul peak measured for each of ``dtypes``; ``bandwidth`` (bytes/s) when the caller
+    has just probed it, else the process's :func:`measured_cpu_bandwidth`."""
     names = sorted({dtype_name(d) for d in dtypes})
     return DeviceSpec(f"CPU ({torch.get_num_threads()} threads)",
-                      {d: measured_cpu_matmul_flops(d) for d in names}, measured_cpu_bandwidth(),
-                      f"measured: best of a 2048^3 matmul and a {cpu_copy_bytes() >> 20} MiB copy", ranks_share_device=True)
+                      {d: measured_cpu_matmul_flops(d) for d in names},
+                      measured_cpu_bandwidth() if bandwidth is None else bandwidth,
+                      f"measured: best of a 2048^3 matmul and a {cpu_copy_bytes() >> 20} MiB copy",
+                      ranks_share_device=True)
 
 
 def device_spec(kind: str, name: str, dtypes: Iterable[str | torch.dtype] = ("fp32",)) -> DeviceSpec | None:
