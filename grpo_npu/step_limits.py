@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Mapping, Sequence
 
 from transformers import AutoConfig
@@ -25,7 +24,7 @@ from transformers import AutoConfig
 from grpo_npu.config import Derived, derive
 from grpo_npu.device import Device
 from grpo_npu.perf.flops import ModelShape, dtype_name
-from grpo_npu.perf.hardware import cpu_bandwidth_probe, cpu_device_spec, device_spec
+from grpo_npu.perf.hardware import cpu_bandwidth_probe, cpu_device_spec, cpu_probe_seconds, device_spec
 from grpo_npu.perf.memory import MemoryInputs, memory_table, over_capacity, plan_memory, plan_metrics
 from grpo_npu.perf.report import StepReport, StepWorkload, step_report, verdict
 from grpo_npu.rollout.vllm_settings import CPU_KV_CACHE_BYTES
@@ -68,10 +67,9 @@ class StepLimits:
         self.rollout_dtype = engine_dtype_of(arr, dev)
         self.measured = dev.kind == "cpu"  # the spec's bandwidth is a measurement, worth renewing (probe)
         self.steps_s = self.probes_s = self.last_probe_s = 0.0
-        if self.measured:  # the bandwidth measured now, after the engine's build, and timed: the cost of a probe,
-            start = time.perf_counter()  # which step 1 may not yet afford
-            bandwidth = cpu_bandwidth_probe()
-            self.last_probe_s = time.perf_counter() - start
+        if self.measured:  # the bandwidth measured now, after the engine's build; what a probe costs from then
+            bandwidth = cpu_bandwidth_probe()  # on (the first one pays for paging its buffers in), which step 1 may
+            self.last_probe_s = cpu_probe_seconds(bandwidth)  # not yet afford
             self.spec = cpu_device_spec((self.dtype, self.rollout_dtype), bandwidth=bandwidth)
         else:
             self.spec = device_spec(dev.kind, dev.device_name(), dtypes=(self.dtype, self.rollout_dtype))

@@ -203,12 +203,23 @@ def cpu_copy_bytes() -> int:
     return min(CPU_COPY_MAX_BYTES, max(CPU_COPY_MIN_BYTES, CPU_COPY_CACHE_MULTIPLE * last_level_cache_bytes()))
 
 
+CPU_PROBE_COPIES = 4  # cpu_bandwidth_probe: one warm-up copy and best of 3 timed ones
+CPU_PROBE_FILL_COPIES = 0.5  # its source's fill: a write of its bytes, half a copy's traffic
+
+
 def cpu_bandwidth_probe() -> float:
     """Bytes/s of one in-memory copy past the caches (each byte read once and written once), best of 3, now."""
     nbytes = cpu_copy_bytes()
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    return 2 * nbytes / best_seconds(lambda: dst.copy_(src))
+    return 2 * nbytes / best_seconds(lambda: dst.copy_(src), repeat=CPU_PROBE_COPIES - 1)
+
+
+def cpu_probe_seconds(bandwidth: float) -> float:
+    """What :func:`cpu_bandwidth_probe` costs at ``bandwidth`` (bytes/s) once its buffers are paged in: its
+    copies and its fill. A process's first probe also pages in its buffers (0.2-0.6 s for 2 x 256 MiB, against
+    0.05 s warm on this project's host), a cost later probes from the same heap do not pay."""
+    return (CPU_PROBE_COPIES + CPU_PROBE_FILL_COPIES) * 2 * cpu_copy_bytes() / bandwidth
 
 
 @functools.cache
