@@ -66,7 +66,7 @@ import torch
 from grpo_npu import compat
 from grpo_npu.config import RolloutConfig
 from grpo_npu.device import Device, cpu_has_bf16_dot_products
-from grpo_npu.rollout import vllm_cpu_gemm, vllm_cpu_layers, vllm_cpu_norm, vllm_cpu_ranks
+from grpo_npu.rollout import vllm_cpu_gemm, vllm_cpu_layers, vllm_cpu_norm, vllm_cpu_ranks, vllm_cpu_sampler
 from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, pack_responses, unpad_prompts
 from grpo_npu.rollout.vllm_cpu_sync import direct_sync_unsupported
 from grpo_npu.rollout.vllm_lora import AdapterSync, engine_adapter_sync, lora_engine_kwargs
@@ -411,6 +411,8 @@ def build_vllm_rollout(
                                tensor_parallel_size=cfg.tensor_model_parallel_size, lora=adapter_sync is not None):
         taken, layers = map(sum, zip(*llm.collective_rpc(vllm_cpu_layers.install)))
         log.info("vllm rollout: %d of %d decoder layers run without vLLM's module tree in Python", taken, layers)
+    if device.kind == "cpu" and all(llm.collective_rpc(vllm_cpu_sampler.install)):
+        log.info("vllm rollout: sampling by the inverse CDF (one uniform per row; vLLM's CPU sampler races the vocab)")
     logprobs = ask_processed_logprobs(llm, stack)
     sleep_level = default_sleep_level(device.kind, cfg.sleep_level, lora_adapters=adapter_sync is not None)
     if sleep_level == 2 and not stack.sleep_level2_keeps_buffers:
