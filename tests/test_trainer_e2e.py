@@ -29,6 +29,7 @@ pytestmark = pytest.mark.slow
 
 # Keys that depend on wall time or process memory: everything else must match exactly on resume.
 NONDETERMINISTIC = ("timing_s/", "timing_per_token_ms/", "perf/", "rollout/mem_", "rollout/weight_sync_s",
+                    "rollout/prefill_s", "rollout/decode_s",
                     "rollout/sync_check_s")  # wall times
 
 

@@ -66,7 +66,8 @@ import torch
 from grpo_npu import compat
 from grpo_npu.config import RolloutConfig
 from grpo_npu.device import Device, cpu_has_bf16_dot_products
-from grpo_npu.rollout import vllm_cpu_gemm, vllm_cpu_layers, vllm_cpu_norm, vllm_cpu_ranks, vllm_cpu_sampler
+from grpo_npu.rollout import (vllm_cpu_gemm, vllm_cpu_layers, vllm_cpu_norm, vllm_cpu_ranks, vllm_cpu_sampler,
+                              vllm_cpu_steps)
 from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, pack_responses, unpad_prompts
 from grpo_npu.rollout.vllm_cpu_sync import direct_sync_unsupported
 from grpo_npu.rollout.vllm_lora import AdapterSync, engine_adapter_sync, lora_engine_kwargs
@@ -126,6 +127,7 @@ class VLLMRollout(Rollout):
         adapter_sync: Optional[AdapterSync] = None,
         engine_dtype: Optional[torch.dtype] = None,
         sampler_modes: bool = False,
+        times_steps: bool = False,
     ) -> None:
         """``llm``: a ``vllm.LLM``; ``sleeps``: it has sleep mode and releases memory after each rollout;
         ``sync_path``: one of SYNC_PATHS, or None to pick on the first update (direct where it applies);
@@ -134,7 +136,8 @@ class VLLMRollout(Rollout):
         ``adapter_sync``: LoRA on in the engine, which takes the base once and adapters each sync (vllm_lora.py);
         ``engine_dtype``: the engine's; given, :meth:`update_weights` takes any floating dtype (``casts_weights``);
         ``sampler_modes``: the workers' samplers have a settable ``logprobs_mode`` (vLLM >= 0.10): each call runs with
-        :data:`LOGPROBS_MODE` when it asks for log-probs and :data:`IDLE_LOGPROBS_MODE` otherwise."""
+        :data:`LOGPROBS_MODE` when it asks for log-probs and :data:`IDLE_LOGPROBS_MODE` otherwise;
+        ``times_steps``: the workers time their prefill and decode steps (:mod:`.vllm_cpu_steps`, CPU engines)."""
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
         if sync_path is not None and sync_path not in SYNC_PATHS:
@@ -152,6 +155,7 @@ class VLLMRollout(Rollout):
         self.adapter_sync = adapter_sync
         self.engine_dtype, self.casts_weights = engine_dtype, engine_dtype is not None
         self.sampler_mode = LOGPROBS_MODE if sampler_modes else None  # the workers' now; None: not switched
+        self.times_steps = times_steps
 
     @property
     def asleep(self) -> bool:
@@ -178,8 +182,9 @@ class VLLMRollout(Rollout):
                 sampling_params(sampling, n=n, seed=sampling.prompt_seed(i), stop_token_ids=self.eos_token_ids)
                 for i in range(len(prompts))
             ]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in requests], params, use_tqdm=False,
-                                    **self._lora_request())
+        with vllm_cpu_steps.timing(self.llm if self.times_steps else None) as steps:
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in requests], params, use_tqdm=False,
+                                        **self._lora_request())
         tokens: list[list[int]] = []
         reasons: list[str] = []
         logprobs: list[list[float]] = []
@@ -192,7 +197,9 @@ class VLLMRollout(Rollout):
                 reasons.append(_FINISH_REASONS[completion.finish_reason])
                 if sampling.return_logprobs:
                     logprobs.append([step[t].logprob for step, t in zip(completion.logprobs, row)])
-        return pack_responses(tokens, reasons, self.pad_token_id, logprobs if sampling.return_logprobs else None)
+        out = pack_responses(tokens, reasons, self.pad_token_id, logprobs if sampling.return_logprobs else None)
+        out.metrics.update(steps)
+        return out
 
     def _set_sampler_mode(self, mode: str) -> None:
         if self.sampler_mode is not None and mode != self.sampler_mode:
@@ -411,6 +418,7 @@ def build_vllm_rollout(
                                tensor_parallel_size=cfg.tensor_model_parallel_size, lora=adapter_sync is not None):
         taken, layers = map(sum, zip(*llm.collective_rpc(vllm_cpu_layers.install)))
         log.info("vllm rollout: %d of %d decoder layers run without vLLM's module tree in Python", taken, layers)
+    times_steps = device.kind == "cpu" and all(llm.collective_rpc(vllm_cpu_steps.install))
     if device.kind == "cpu" and all(llm.collective_rpc(vllm_cpu_sampler.install)):
         log.info("vllm rollout: sampling by the inverse CDF (one uniform per row; vLLM's CPU sampler races the vocab)")
     logprobs = ask_processed_logprobs(llm, stack)
@@ -429,6 +437,7 @@ def build_vllm_rollout(
         adapter_sync=adapter_sync,
         engine_dtype=engine_dtype,
         sampler_modes=logprobs and stack.vllm_logprobs_mode,
+        times_steps=times_steps,
     )
     rollout.sleep()  # so that the first step's wake_up really brings memory back
     device.empty_cache()

@@ -34,10 +34,15 @@ def test_full_size_is_qwen2_5_0_5b_shape():
 
 
 def _step(step_s, gen_share, gen_frac, sync_s, bandwidth_frac, update_frac=0.5, gbps=32.0):
-    """A metrics.jsonl step row as the trainer writes it (perf/* from grpo_npu.perf.report.StepReport.metrics)."""
+    """A metrics.jsonl step row as the trainer writes it (perf/* from grpo_npu.perf.report.StepReport.metrics);
+    ``bandwidth_frac``: the decode steps' fraction of their bandwidth floor (rollout/decode_s: 60% of gen)."""
+    decode_s = 0.6 * gen_share * step_s
     return {"timing_s/step": step_s, "rollout/weight_sync_s": sync_s,
             "perf/share/gen": gen_share, "perf/floor_s/gen": gen_frac * gen_share * step_s,
-            "perf/limit_frac/gen": gen_frac, "perf/limit_frac/gen_bandwidth": bandwidth_frac,
+            "perf/limit_frac/gen": gen_frac, "perf/limit_frac/gen_bandwidth": 0.6 * bandwidth_frac,
+            "rollout/decode_s": decode_s, "rollout/decode_steps": 31.0, "rollout/prefill_s": 0.2 * decode_s,
+            "perf/floor_s/decode_bandwidth": bandwidth_frac * decode_s,
+            "perf/limit_frac/decode_bandwidth": bandwidth_frac,
             "perf/share/update_actor": 0.5, "perf/floor_s/update_actor": update_frac * 0.5 * step_s,
             "perf/limit_frac/update_actor": update_frac,
             "perf/share/sync": sync_s / step_s, "perf/floor_s/sync": sync_s / 3, "perf/limit_frac/sync": 1 / 3,
@@ -73,14 +78,14 @@ def test_targets_one_per_floored_phase_plus_decode_and_sync_over_copy():
     sync = pl.add_targets(result, pl.phase_rows(STEPS), STEPS, floor)
     t = result.targets
     assert set(t) == {"gen_time_over_floor", "update_actor_time_over_floor", "sync_time_over_floor",
-                      "gen_fraction_of_bandwidth_floor", "weight_sync_over_copy_plus_prepack"}
+                      "decode_fraction_of_bandwidth_floor", "weight_sync_over_copy_plus_prepack"}
     assert t["gen_time_over_floor"] == {"measured": pytest.approx(1 / 0.6), "target": "<= 1.5", "passed": False}
     assert t["update_actor_time_over_floor"] == {"measured": pytest.approx(1 / 0.7), "target": "<= 1.5",
                                                  "passed": True}
     # every step's sync at 1/3 of its bandwidth floor: the median (the second step, 0.6 s) + the prepack 0.3 s
     assert t["sync_time_over_floor"] == {"measured": pytest.approx(0.6 / (0.6 / 3 + 0.3)), "target": "<= 1.5",
                                          "passed": True}
-    assert t["gen_fraction_of_bandwidth_floor"] == {"measured": 0.55, "target": ">= 0.6", "passed": False}
+    assert t["decode_fraction_of_bandwidth_floor"] == {"measured": 0.55, "target": ">= 0.6", "passed": False}
     # the median sync, 0.8 s, over copy_ + prepack
     assert t["weight_sync_over_copy_plus_prepack"] == {"measured": pytest.approx(0.8 / 0.55), "target": "<= 2.0",
                                                        "passed": True}
@@ -95,7 +100,7 @@ def test_a_phase_faster_than_its_floor_is_flagged():
     assert pl.floor_warnings(pl.phase_rows(quiet), quiet) == []
     loaded = [_step(10.0, 0.3, 1.2, 1.0, 1.4)]  # floors measured under load: gen "beats" its floor
     (warning,) = pl.floor_warnings(pl.phase_rows(loaded), loaded)
-    assert warning.startswith("FLOORS DISTURBED") and "gen 1.20" in warning and "gen_bandwidth 1.40" in warning
+    assert warning.startswith("FLOORS DISTURBED") and "gen 1.20" in warning and "decode_bandwidth 1.40" in warning
 
 
 def test_an_update_under_its_floor_by_no_more_than_packing_saves_is_not_flagged():
@@ -135,7 +140,15 @@ def test_the_host_bandwidth_row_shows_each_steps_probe_and_rescales_the_decode_t
     assert (row["probes"], row["min_GBps"], row["median_GBps"], row["max_GBps"]) == (5, 27, 32, 45)
     assert row["run_GBps"] == "32.5/48.0/30.0"
     # fraction x bandwidth per step: 20.15 / 24 / 21 GB/s; the median, over the fastest probe (the run's 48)
-    assert row["gen_fraction_of_bandwidth_floor_at_max"] == pytest.approx(21 / 48)
+    assert row["decode_fraction_of_bandwidth_floor_at_max"] == pytest.approx(21 / 48)
+
+
+def test_the_decode_row_is_the_engines_decode_steps_of_the_median_step():
+    row = pl.decode_row(STEPS)  # decode fractions 0.4 / 0.55 / 0.7: the second step's
+    assert row["limit_frac"] == 0.55 and row["seconds"] == pytest.approx(0.6 * 0.25 * 8.0)
+    assert row["bandwidth_floor_s"] == pytest.approx(0.55 * row["seconds"]) and row["decode_steps"] == 31
+    assert row["prefill_s"] == pytest.approx(0.2 * row["seconds"])
+    assert row["gen_limit_frac_bandwidth"] == pytest.approx(0.6 * 0.55)  # the whole phase, prefill included
 
 
 def test_host_bandwidth_series_probes_with_the_runs_threads_and_restores_the_callers():

@@ -90,7 +90,7 @@ def test_phase_limits_reports_every_floored_phase_of_the_cli_run(suite):
     rows = {row["phase"]: row for row in result["rows"]}
     floored = {name for name, row in rows.items() if "time_over_floor" in row}
     assert {"gen", "sync", "update_actor", "ref"} <= floored  # KL loss on: a reference pass; vLLM: a weight sync
-    assert {f"{p}_time_over_floor" for p in floored} | {"gen_fraction_of_bandwidth_floor", "weight_sync_over_copy_plus_prepack"} \
+    assert {f"{p}_time_over_floor" for p in floored} | {"decode_fraction_of_bandwidth_floor", "weight_sync_over_copy_plus_prepack"} \
         == set(result["targets"])
     for phase in floored:
         row = rows[phase]

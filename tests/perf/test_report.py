@@ -6,7 +6,8 @@ import pytest
 
 from grpo_npu.perf.flops import ModelShape, attention_pairs, forward_flops, train_flops
 from grpo_npu.perf.hardware import DeviceSpec
-from grpo_npu.perf.report import PhaseCost, StepReport, StepWorkload, generation_floor, step_report, verdict
+from grpo_npu.perf.report import (PhaseCost, StepReport, StepWorkload, decode_bandwidth_floor, generation_floor,
+                                  step_report, verdict)
 
 SHAPE = ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=96, vocab=128,
                    head_width=128, tied_embeddings=True)
@@ -36,6 +37,25 @@ def test_decode_reads_the_weights_once_per_step_for_the_whole_batch():
     prefill = weights + kv * p  # the shared prompt's cache written once
     decode = sum(weights + kv * rows * (p + s) for s in range(1, r))
     assert bandwidth_s == pytest.approx((prefill + decode) / 1e11)
+
+
+def test_the_decode_floor_is_the_decode_steps_memory_traffic_without_the_prefills():
+    rows, p, r, n = 4, 10, 6, 2
+    w = workload([p] * rows, [r] * rows, n=n)
+    weights, kv = SHAPE.read_weights * 4, SHAPE.kv_bytes_per_token("fp32")
+    decode = sum(weights + kv * rows * (p + s) for s in range(1, r))  # steps 1..r-1: the prefill gave token 0
+    assert decode_bandwidth_floor(w, spec(peak=1.0)) == pytest.approx(decode / 1e11)  # compute never enters
+    assert decode_bandwidth_floor(workload([p] * rows, [1] * rows, n=n), spec()) == 0  # prefill only
+    # against the engine's own decode seconds, beside the whole phase's fraction
+    seconds = {"step": 1.0, "gen": 0.5}
+    report = step_report(seconds, w, spec(), decode_s=0.25)
+    metrics = report.metrics()
+    assert metrics["perf/floor_s/decode_bandwidth"] == pytest.approx(decode / 1e11)
+    assert metrics["perf/limit_frac/decode_bandwidth"] == pytest.approx(decode / 1e11 / 0.25)
+    assert "perf/limit_frac/gen_bandwidth" in metrics
+    assert "perf/limit_frac/decode_bandwidth" not in step_report(seconds, w, spec()).metrics()  # not timed
+    with pytest.raises(ValueError, match="decode_s=-1"):
+        step_report(seconds, w, spec(), decode_s=-1)
 
 
 def test_finished_rows_stop_costing():
