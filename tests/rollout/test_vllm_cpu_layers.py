@@ -12,22 +12,15 @@ import torch
 
 pytest.importorskip("vllm")
 
-from grpo_npu.config import RolloutConfig  # noqa: E402
-from grpo_npu.device import Device  # noqa: E402
-from grpo_npu.rollout import SamplingConfig, build_rollout  # noqa: E402
+from grpo_npu.rollout import SamplingConfig  # noqa: E402
 from grpo_npu.rollout import vllm_cpu_layers  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_path, tiny_tokenizer, tiny_hf):
-    cfg = RolloutConfig(name="vllm", load_format="dummy", tensor_model_parallel_size=1, max_num_seqs=16,
-                        dtype="float32", max_num_batched_tokens=1024,
-                        engine_kwargs={"vllm": {"kv_cache_memory_bytes": 128 * 1024**2}})
-    rollout = build_rollout(cfg, device=Device("cpu"), model_path=tiny_model_path, prompt_length=64,
-                            response_length=16, pad_token_id=tiny_tokenizer.pad_token_id,
-                            eos_token_ids=[tiny_tokenizer.eos_token_id])
+def engine(tiny_model_path, tiny_tokenizer, tiny_hf, ref):
+    rollout = ref.tiny_vllm_engine(tiny_model_path, tiny_tokenizer)
     rollout.update_weights(tiny_hf.state_dict().items())
     yield rollout
     rollout.close()

@@ -111,16 +111,9 @@ def test_it_takes_vllms_cpu_sampler_only_and_keeps_its_top_k_top_p_and_log_probs
 def test_a_cpu_engine_samples_by_the_inverse_cdf_with_vllms_seeds_filters_and_log_probs(
         tiny_model_path, tiny_tokenizer, tiny_hf, prompt_batch, ref):
     pytest.importorskip("vllm")
-    from grpo_npu.config import RolloutConfig
-    from grpo_npu.device import Device
-    from grpo_npu.rollout import SamplingConfig, build_rollout, vllm_cpu_sampler
+    from grpo_npu.rollout import SamplingConfig, vllm_cpu_sampler
 
-    cfg = RolloutConfig(name="vllm", load_format="dummy", tensor_model_parallel_size=1, max_num_seqs=16,
-                        dtype="float32", max_num_batched_tokens=1024,
-                        engine_kwargs={"vllm": {"kv_cache_memory_bytes": 128 * 1024**2}})
-    engine = build_rollout(cfg, device=Device("cpu"), model_path=tiny_model_path, prompt_length=64,
-                           response_length=16, pad_token_id=tiny_tokenizer.pad_token_id,
-                           eos_token_ids=[tiny_tokenizer.eos_token_id])
+    engine = ref.tiny_vllm_engine(tiny_model_path, tiny_tokenizer)
     try:
         engine.update_weights(tiny_hf.state_dict().items())
         stage_of = lambda worker: worker.model_runner.sampler.topk_topp_sampler  # noqa: E731

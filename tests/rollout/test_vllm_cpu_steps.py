@@ -52,18 +52,11 @@ def test_steps_that_compute_a_prompt_are_prefill_and_the_rest_decode(samples_lat
 
 @pytest.mark.vllm
 def test_an_engine_reports_one_prefill_step_and_a_decode_step_per_further_token(
-        tiny_model_path, tiny_tokenizer, prompt_batch):
+        tiny_model_path, tiny_tokenizer, prompt_batch, ref):
     pytest.importorskip("vllm")
-    from grpo_npu.config import RolloutConfig
-    from grpo_npu.device import Device
-    from grpo_npu.rollout import SamplingConfig, build_rollout
+    from grpo_npu.rollout import SamplingConfig
 
-    cfg = RolloutConfig(name="vllm", load_format="dummy", tensor_model_parallel_size=1, max_num_seqs=16,
-                        dtype="float32", max_num_batched_tokens=1024,
-                        engine_kwargs={"vllm": {"kv_cache_memory_bytes": 128 * 1024**2}})
-    engine = build_rollout(cfg, device=Device("cpu"), model_path=tiny_model_path, prompt_length=64,
-                           response_length=16, pad_token_id=tiny_tokenizer.pad_token_id,
-                           eos_token_ids=[tiny_tokenizer.eos_token_id])
+    engine = ref.tiny_vllm_engine(tiny_model_path, tiny_tokenizer)
     try:
         sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=9, ignore_eos=True, seed=1)
         for _ in range(2):  # the second call counts its own steps only
