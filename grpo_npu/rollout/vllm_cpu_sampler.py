@@ -7,8 +7,8 @@ about a twentieth of a step at the 0.5B shape (docs/performance.md, session 24).
 
 Sampling a categorical distribution needs one uniform number per row: the token where the cumulative probability
 first exceeds it. :func:`inverse_cdf_sample` finds it in two levels, so that no long running sum is kept in
-float32: the probabilities summed by blocks of :data:`BLOCK` (float64), the block found in their cumulative sum,
-then the token within the block. Softmax included, 0.45 ms for the same four rows. Each token is drawn with its
+float32: the probabilities summed by blocks of :data:`BLOCK`, the block found in their cumulative sum (float64),
+then the token within the block (float64). Softmax included, 0.45 ms for the same four rows. Each token is drawn with its
 probability (tests/rollout/test_vllm_cpu_sampler.py checks the frequencies against the softmax, and that top-k
 and top-p still apply); the draws differ from vLLM's own for the same seed, as any other sampler's would.
 
@@ -37,10 +37,12 @@ def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     rows, vocab = probs.shape
     probs = probs.contiguous()
     whole = vocab // BLOCK * BLOCK
-    sums = probs[:, :whole].view(rows, -1, BLOCK).sum(-1, dtype=torch.float64)
+    # Block sums in float32 (128 terms each; a float64 reduction of a large batch converts it whole first: 40x
+    # slower at 64 rows of 151,936), their running sum in float64.
+    sums = probs[:, :whole].view(rows, -1, BLOCK).sum(-1)
     if whole < vocab:
-        sums = torch.cat([sums, probs[:, whole:].sum(-1, keepdim=True, dtype=torch.float64)], dim=-1)
-    cumulative = sums.cumsum_(-1)
+        sums = torch.cat([sums, probs[:, whole:].sum(-1, keepdim=True)], dim=-1)
+    cumulative = sums.to(torch.float64).cumsum_(-1)
     target = uniforms.to(torch.float64).unsqueeze(-1) * cumulative[:, -1:]
     block = torch.searchsorted(cumulative, target, right=True).clamp_(max=cumulative.shape[1] - 1)
     below = torch.where(block > 0, cumulative.gather(-1, (block - 1).clamp(min=0)), 0.0)

@@ -57,14 +57,15 @@ def test_at_a_running_sums_exact_steps_it_draws_what_a_single_running_sum_draws(
 
 
 def test_a_block_whose_sum_and_running_sum_disagree_still_gives_a_token_inside_it():
-    """Summed by vector lanes, 1 + 127 x 2^-55 is 1 + 3e-15; added one by one it stays 1. A draw between the two
-    must still land on a token of the block, not past its end (here: past the vocabulary)."""
+    """Summed in float32 by vector lanes, 1 + 64 x 1.5 x 2^-24 rounds up past its float64 running sum. A draw
+    between the two must still land on a token with probability, not past the block's last one (here: past the
+    vocabulary)."""
     probs = torch.zeros(1, 2 * BLOCK)  # the first block empty: the draw's resolution is the second's ulp
-    probs[0, BLOCK], probs[0, BLOCK + 1:] = 1.0, 2.0**-55
-    whole, running = probs[0, BLOCK:].sum(dtype=torch.float64), probs[0, BLOCK:].double().cumsum(-1)[-1]
-    if whole == running:
-        pytest.skip("this CPU's float64 sum adds the block in order")
-    assert inverse_cdf_sample(probs, torch.tensor([1 - 2**-53], dtype=torch.float64)).item() == BLOCK
+    probs[0, BLOCK], probs[0, BLOCK + 1:BLOCK + 65] = 1.0, 1.5 * 2.0**-24
+    whole, running = probs[0, BLOCK:].sum().double(), probs[0, BLOCK:].double().cumsum(-1)[-1]
+    if whole <= running:
+        pytest.skip("this CPU's float32 sum of the block does not round past its running sum")
+    assert inverse_cdf_sample(probs, torch.tensor([1 - 2**-53], dtype=torch.float64)).item() == BLOCK + 64
 
 
 def test_seeded_rows_draw_from_their_own_generators():
