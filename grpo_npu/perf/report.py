@@ -273,7 +273,7 @@ def step_report(seconds: Mapping[str, float], workload: StepWorkload, spec: Devi
         ran = [p for p in names if p in flops and times.get(p, 0.0) > 0]
         if ran:
             mfu[metric] = sum(flops[p][0].total for p in ran) / (sum(times[p] for p in ran) * peak_all)
-    return StepReport(step_s, phases, mfu, gen_bandwidth, decode_floor if decode_s else None, decode_s or None)
+    return StepReport(step_s, phases, mfu, gen_bandwidth, decode_floor, decode_s)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ vLLM is an optional dependency: it is imported inside the functions that use it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -69,7 +70,7 @@ def install(worker: Any) -> bool:
     stage = getattr(getattr(getattr(worker, "model_runner", None), "sampler", None), "topk_topp_sampler", None)
     if stage is None or getattr(stage, "use_fp64_gumbel", True) or stage.forward != stage.forward_cpu:
         return False
-    stage.forward = lambda logits, generators, k, p: _forward(stage, logits, generators, k, p)
+    stage.forward = functools.partial(_forward, stage)
     setattr(stage, _MARK, True)
     return True
 
@@ -85,12 +86,12 @@ def _forward(stage: Any, logits: torch.Tensor, generators: dict[int, torch.Gener
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
     logits = apply_top_k_top_p(logits, k, p)
-    returned = None
-    if stage.logprobs_mode == "processed_logits":
-        returned = logits
-    elif stage.logprobs_mode == "processed_logprobs":
+    if stage.logprobs_mode == "processed_logprobs":
         returned = logits.log_softmax(dim=-1, dtype=torch.float32)
-    probs = returned.exp() if stage.logprobs_mode == "processed_logprobs" else logits.softmax(-1, dtype=torch.float32)
+        probs = returned.exp()
+    else:
+        returned = logits if stage.logprobs_mode == "processed_logits" else None
+        probs = logits.softmax(-1, dtype=torch.float32)
     return inverse_cdf_sample(probs, row_uniforms(logits.shape[0], generators)), returned
 
 
