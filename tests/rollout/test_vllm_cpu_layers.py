@@ -36,6 +36,10 @@ def _taken(worker) -> list[bool]:
     return [vllm_cpu_layers.uses_direct_forward(layer) for layer in _decoder_layers(worker)]
 
 
+def _attention_taken(worker) -> list[bool]:
+    return [vllm_cpu_layers.uses_direct_attention(layer) for layer in _decoder_layers(worker)]
+
+
 def _vllms_forward(worker) -> None:
     for layer in _decoder_layers(worker):
         del layer.forward, layer._grpo_npu_direct_forward
@@ -58,6 +62,7 @@ def test_the_direct_forward_computes_what_vllms_does_before_and_after_a_weight_s
                                                                                    ref):
     layers = engine.llm.collective_rpc(_taken)[0]
     assert len(layers) == tiny_hf.config.num_hidden_layers and all(layers)  # every layer, from the build on
+    assert all(engine.llm.collective_rpc(_attention_taken)[0])  # and the attention kernels called directly
     greedy = SamplingConfig(do_sample=False, max_new_tokens=12, return_logprobs=True)
     sampled = SamplingConfig(n=2, temperature=1.0, max_new_tokens=12, return_logprobs=True, seed=3)
     before = {}
@@ -120,3 +125,56 @@ def _covers_with(worker, path: str, value):
 def test_a_layer_the_direct_forward_does_not_compute_exactly_keeps_vllms(engine, path, value):
     assert engine.llm.collective_rpc(_covers_with, args=("self_attn.qk_norm", False))[0]
     assert not engine.llm.collective_rpc(_covers_with, args=(path, value))[0]
+
+
+def _attention_covered_with(worker, path: str | None, value):
+    """covers_attention() of the first decoder layer's Attention, with one attribute (a dotted path below it) set
+    to ``value`` and then restored, or as it is (``path`` None)."""
+    attn = _decoder_layers(worker)[0].self_attn.attn
+    if path is None:
+        return vllm_cpu_layers.covers_attention(attn)
+    *parents, leaf = path.split(".")
+    owner = attn
+    for name in parents:
+        owner = getattr(owner, name)
+    old = getattr(owner, leaf)
+    setattr(owner, leaf, value)
+    try:
+        return vllm_cpu_layers.covers_attention(attn)
+    finally:
+        setattr(owner, leaf, old)
+
+
+def _layers_with_vllms_attention(worker) -> list[bool]:
+    """Give every decoder layer the direct forward around vLLM's Attention layer (as for an uncovered attention)."""
+    for layer in _decoder_layers(worker):
+        layer.forward = vllm_cpu_layers._direct_forward(layer, layer.self_attn.attn)
+        layer._grpo_npu_direct_attention = False
+    return _attention_taken(worker)
+
+
+def test_the_attention_kernels_called_directly_compute_what_vllms_attention_layer_does(engine, prompt_batch):
+    # Prefill of several prompts (n=2 children sharing cached blocks), then decode; tokens and log-probs to the bit.
+    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=12, return_logprobs=True, seed=5)
+    direct = engine.generate(*prompt_batch, sampling)
+    assert not any(engine.llm.collective_rpc(_layers_with_vllms_attention)[0])
+    try:
+        own = engine.generate(*prompt_batch, sampling)
+    finally:
+        engine.llm.collective_rpc(vllm_cpu_layers.install)
+    assert all(engine.llm.collective_rpc(_attention_taken)[0])
+    assert torch.equal(direct.response_ids, own.response_ids)
+    assert torch.equal(direct.logprobs, own.logprobs)
+
+
+@pytest.mark.parametrize("path, value", [
+    ("impl.sinks", torch.zeros(2)),  # attention sinks
+    ("impl.alibi_slopes", torch.ones(2)),
+    ("impl.kv_cache_dtype", "fp8"),  # a quantized KV cache
+    ("impl.attn_type", "encoder_only"),  # no KV cache written
+    ("query_quant", object()),
+    ("kv_sharing_target_layer_name", "model.layers.0.self_attn.attn"),  # another layer writes the cache
+])
+def test_an_attention_the_direct_call_does_not_compute_exactly_keeps_vllms_layer(engine, path, value):
+    assert engine.llm.collective_rpc(_attention_covered_with, args=(None, None))[0]
+    assert not engine.llm.collective_rpc(_attention_covered_with, args=(path, value))[0]
