@@ -100,19 +100,26 @@ def test_which_engines_take_the_direct_forward(settings, expected):
     assert vllm_cpu_layers.applies(**{**base, **settings}) is expected
 
 
-def _covers_with(worker, path: str, value):
-    """covers() of the first decoder layer with one attribute (a dotted path) set to ``value``, then restored."""
-    layer = _decoder_layers(worker)[0]
+def _checked_with(owner, path: str | None, value, check):
+    """``check()`` with one attribute of ``owner`` (a dotted path below it) set to ``value`` and then restored, or
+    as it is (``path`` None)."""
+    if path is None:
+        return check()
     *parents, leaf = path.split(".")
-    owner = layer
     for name in parents:
         owner = getattr(owner, name)
     old = getattr(owner, leaf)
     setattr(owner, leaf, value)
     try:
-        return vllm_cpu_layers.covers(layer)
+        return check()
     finally:
         setattr(owner, leaf, old)
+
+
+def _covers_with(worker, path: str | None, value):
+    """covers() of the first decoder layer, with one attribute below it changed (:func:`_checked_with`)."""
+    layer = _decoder_layers(worker)[0]
+    return _checked_with(layer, path, value, lambda: vllm_cpu_layers.covers(layer))
 
 
 @pytest.mark.parametrize("path, value", [
@@ -128,21 +135,9 @@ def test_a_layer_the_direct_forward_does_not_compute_exactly_keeps_vllms(engine,
 
 
 def _attention_covered_with(worker, path: str | None, value):
-    """covers_attention() of the first decoder layer's Attention, with one attribute (a dotted path below it) set
-    to ``value`` and then restored, or as it is (``path`` None)."""
+    """covers_attention() of the first decoder layer's Attention, with one attribute below it changed."""
     attn = _decoder_layers(worker)[0].self_attn.attn
-    if path is None:
-        return vllm_cpu_layers.covers_attention(attn)
-    *parents, leaf = path.split(".")
-    owner = attn
-    for name in parents:
-        owner = getattr(owner, name)
-    old = getattr(owner, leaf)
-    setattr(owner, leaf, value)
-    try:
-        return vllm_cpu_layers.covers_attention(attn)
-    finally:
-        setattr(owner, leaf, old)
+    return _checked_with(attn, path, value, lambda: vllm_cpu_layers.covers_attention(attn))
 
 
 def _layers_with_vllms_attention(worker) -> list[bool]:
