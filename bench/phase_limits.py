@@ -339,7 +339,8 @@ def describe(work: svt.Workload, floor: dict, sync_s: float, verdict: str | None
         f"(bench.step_vs_trl.workload_keys); 1 warm-up + {work.timed_steps} timed steps",
         "phase rows: the run's own metrics (perf/floor_s, perf/limit_frac, perf/share; seconds = share x "
         "timing_s/step), the median timed step per phase; floors as grpo_npu.perf.report defines them (compute: model "
-        "FLOPs incl. checkpoint recompute / measured CPU matmul peak; gen: roofline of prefill + each decode step; "
+        "FLOPs incl. checkpoint recompute / measured CPU matmul peak, and for update_actor each optimizer step's reads "
+        "(5 fp32 values per parameter) / measured copy bandwidth; gen: roofline of prefill + each decode step; "
         "sync: the weights read in the compute dtype + written in the engine's / measured copy bandwidth); phases "
         "without a floor are shares only; "
         "gen excludes the weight sync (its own phase)",

@@ -67,6 +67,7 @@ class StepLimits:
         self.dtype = compute_dtype_of(arr.model, arr.actor.fsdp_config, dev)
         self.rollout_dtype = engine_dtype_of(arr, dev)
         self.measured = dev.kind == "cpu"  # the spec's bandwidth is a measurement, worth renewing (probe)
+        self.device_kind = dev.kind
         self.steps_s = self.probes_s = self.last_probe_s = 0.0
         if self.measured:  # the bandwidth measured now, after the engine's build; what a probe costs from then
             bandwidth = cpu_bandwidth_probe()  # on (the first one pays for paging its buffers in), which step 1 may
@@ -116,7 +117,9 @@ class StepLimits:
             world_size=self.world_size, dtype=self.dtype, rollout_dtype=self.rollout_dtype,
             gradient_checkpointing=arr.model.enable_gradient_checkpointing, ppo_epochs=arr.actor.ppo_epochs,
             critic=self.critic, critic_gradient_checkpointing=critic.model.enable_gradient_checkpointing,
-            critic_ppo_epochs=critic.ppo_epochs or arr.actor.ppo_epochs)
+            critic_ppo_epochs=critic.ppo_epochs or arr.actor.ppo_epochs,
+            optimizer_steps=self.optimizer_steps(len(prompt_lengths), n, critic=False),
+            critic_optimizer_steps=self.optimizer_steps(len(prompt_lengths), n, critic=True))
         # The engine's decode steps, where it timed them and prefilled every prompt in one step (several prefill
         # steps would carry decode work with them: no decode-only time then)
         decode_s = metrics.get(DECODE_S) if metrics.get(PREFILL_STEPS) == 1 else None
@@ -125,6 +128,18 @@ class StepLimits:
         self.steps_s += phases["step"]
         bandwidth = {BANDWIDTH_METRIC: self.spec.bandwidth / 1e9} if self.spec is not None else {}
         return {**result.metrics(), **bandwidth, **self.memory}
+
+    def optimizer_steps(self, rows: int, n: int, *, critic: bool) -> int:
+        """Optimizer steps the actor's (critic's) update takes over ``rows`` responses on the device the floors
+        describe: mini-batches x epochs, as the update loop splits them; 0 when the optimizer is offloaded to the
+        host of an accelerator (its step is then host work, outside the device's floor)."""
+        arr, model = self.cfg.actor_rollout_ref, self.cfg.critic
+        fsdp = model.model.fsdp_config if critic else arr.actor.fsdp_config
+        if fsdp.optimizer_offload and self.device_kind != "cpu":
+            return 0
+        prompts = (model.ppo_mini_batch_size if critic else None) or arr.actor.ppo_mini_batch_size
+        epochs = (model.ppo_epochs if critic else None) or arr.actor.ppo_epochs
+        return -(-rows // (prompts * n)) * epochs
 
     def verdict(self) -> str:
         """One line: the phase furthest from its limit over the run (see ``perf.report.verdict``)."""

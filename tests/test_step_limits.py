@@ -126,3 +126,26 @@ def test_an_unmodelled_model_turns_the_report_off(tiny_model_path, tmp_path, cap
         limits = StepLimits(cfg, get_device("cpu"), world_size=1, use_critic=False)
     assert not limits.enabled and "no phase limits for this model" in caplog.text
     assert limits.report(SECONDS, {}, [5, 5], [3, 4], n=2) == {}
+
+
+
+@pytest.mark.parametrize("keys, device_kind, steps", [
+    ([], "cpu", 2 * 2),  # 8 responses / (2 prompts x n=2 per mini-batch) x 2 epochs
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=1"], "cpu", 4 * 2),
+    (["actor_rollout_ref.actor.fsdp_config.optimizer_offload=True"], "cpu", 2 * 2),  # the host is the device
+    (["actor_rollout_ref.actor.fsdp_config.optimizer_offload=True"], "cuda", 0),  # the host steps: not counted
+])
+def test_the_update_floor_counts_the_optimizer_steps_the_update_takes(tiny_model_path, keys, device_kind, steps):
+    cfg = load_config(BASE + keys + [f"actor_rollout_ref.model.path={tiny_model_path}",
+                                     "actor_rollout_ref.actor.ppo_epochs=2"])
+    limits = StepLimits(cfg, get_device("cpu"), world_size=1, use_critic=False)
+    limits.device_kind = device_kind
+    assert limits.optimizer_steps(8, 2, critic=False) == steps
+    rows = ([5, 5, 7, 7, 5, 5, 7, 7], [3, 4, 2, 6, 3, 4, 2, 6])
+    limits.device_kind = "cpu"
+    counted = limits.report(SECONDS, {}, *rows, n=2)
+    limits.optimizer_steps = lambda *args, **kwargs: 0
+    flops_only = limits.report(SECONDS, {}, *rows, n=2)
+    reads = steps * limits.actor.params * 5 * 4 / limits.spec.bandwidth if device_kind == "cpu" else None
+    if reads is not None:  # 5 fp32 reads per parameter and step, at the measured bandwidth
+        assert counted["perf/floor_s/update_actor"] - flops_only["perf/floor_s/update_actor"] == pytest.approx(reads)

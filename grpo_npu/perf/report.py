@@ -4,7 +4,12 @@ Floors (the least time the device could take for the phase's work; see :mod:`grp
 what is counted):
     old_log_prob, ref, values    model FLOPs of a forward over every row / (peak x devices)
     update_actor, update_critic  ppo_epochs x forward+backward, plus the checkpointed layers'
-                                 recompute when gradient checkpointing is on / (peak x devices)
+                                 recompute when gradient checkpointing is on / (peak x devices), plus
+                                 each optimizer step's reads on the device: the gradient norm reads
+                                 every fp32 gradient, AdamW every fp32 parameter, gradient and both
+                                 moments (OPTIMIZER_READS values per parameter) / (bandwidth x devices);
+                                 writes are left out (on a CPU they go back to lines just read), so
+                                 this stays a lower bound
     gen                          prefill of each prompt once (the n rows of a group share it), then
                                  one decode step per generated token for the rows still generating:
                                  each step takes at least max(FLOPs / peak, bytes / bandwidth), where
@@ -47,6 +52,10 @@ from grpo_npu.perf.flops import (
 from grpo_npu.perf.hardware import DeviceSpec
 
 STEP = "step"  # the whole step's seconds, every other timed phase inside it
+# fp32 values an optimizer step reads per parameter: the gradient norm's pass over the gradient, then AdamW's
+# parameter, gradient and two moments (module docstring)
+OPTIMIZER_READS = 5
+MASTER_BYTES = 4  # the optimizer's parameters, gradients and moments are fp32
 IDLE = "idle"  # step time no phase accounts for (computed when not given)
 # Phase sums may exceed the step by timer noise only; more means nested phases were passed.
 _OVERLAP_TOLERANCE_S = 1e-3
@@ -68,6 +77,10 @@ class StepWorkload:
     critic: ModelShape | None = None  # None: no critic phases
     critic_gradient_checkpointing: bool = False
     critic_ppo_epochs: int | None = None  # None: ``ppo_epochs``
+    # Optimizer steps of the actor / critic in this step (mini-batches x epochs) run on the device the floors
+    # describe; 0: not counted (an optimizer offloaded to the host, or not known)
+    optimizer_steps: int = 0
+    critic_optimizer_steps: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_lengths", tuple(int(x) for x in self.prompt_lengths))
@@ -80,6 +93,9 @@ class StepWorkload:
                             ("critic_ppo_epochs", self.critic_ppo_epochs or 1)):
             if value < 1:
                 raise ValueError(f"StepWorkload.{name}={value} must be >= 1")
+        for name in ("optimizer_steps", "critic_optimizer_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"StepWorkload.{name}={getattr(self, name)} must be >= 0")
         if rows % self.n:
             raise ValueError(f"StepWorkload: {rows} rows is not a multiple of n={self.n} (rows come in groups of n)")
         if min(self.prompt_lengths) < 1 or min(self.response_lengths) < 0:
@@ -213,6 +229,17 @@ def _model_flops(workload: StepWorkload) -> dict[str, tuple[Flops, Flops]]:
     return out
 
 
+def _optimizer_floors(workload: StepWorkload, spec: DeviceSpec) -> dict[str, float]:
+    """update phase -> seconds its optimizer steps' reads take at the device's bandwidth (module docstring); only
+    phases with optimizer steps counted. FSDP shards the state: each device reads its share."""
+    w = workload
+    per_param = OPTIMIZER_READS * MASTER_BYTES / (spec.bandwidth * spec.devices(w.world_size))
+    out = {"update_actor": w.optimizer_steps * w.actor.params * per_param}
+    if w.critic is not None:
+        out["update_critic"] = w.critic_optimizer_steps * w.critic.params * per_param
+    return {phase: seconds for phase, seconds in out.items() if seconds > 0}
+
+
 # verl metric -> the phases whose model FLOPs and seconds it pools
 _MFU_PHASES = {"perf/mfu/actor": ("update_actor",), "perf/mfu/actor_infer": ("old_log_prob", "ref"),
                "perf/mfu/critic": ("update_critic",)}
@@ -255,8 +282,11 @@ def step_report(seconds: Mapping[str, float], workload: StepWorkload, spec: Devi
     flops = _model_flops(w)
     phases: dict[str, PhaseCost] = {}
     gen_bandwidth = decode_floor = None
+    optimizer = _optimizer_floors(w, spec)
     for name, t in times.items():
-        if name in flops:
+        if name in optimizer:
+            phases[name] = PhaseCost(t, flops[name][1].total / peak_all + optimizer[name], "compute + optimizer")
+        elif name in flops:
             phases[name] = PhaseCost(t, flops[name][1].total / peak_all, "compute")
         elif name == "gen":
             roofline, gen_bandwidth, decode_floor = _generation_floors(w, spec)

@@ -118,6 +118,32 @@ def test_mfu_and_limit_fractions_under_verl_names():
     assert "perf/floor_s/reward" not in metrics and "perf/limit_frac/idle" not in metrics
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_an_update_floor_adds_its_optimizer_steps_reads_at_the_bandwidth(shared):
+    """Each optimizer step reads 5 fp32 values per parameter (the gradient for its norm; AdamW's parameter,
+    gradient and two moments); FSDP shards them over the devices, and ranks sharing one device share its
+    bandwidth. The critic's steps count its own parameters."""
+    prompts, responses = [12, 12, 20, 20], [8, 3, 5, 0]
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    plain = workload(prompts, responses, n=2, world=2, critic=CRITIC)
+    stepping = workload(prompts, responses, n=2, world=2, critic=CRITIC, optimizer_steps=3, critic_optimizer_steps=2)
+    seconds = {"step": 10.0, "update_actor": 2.0, "update_critic": 1.0}
+    devices = 1 if shared else 2
+    without = step_report(seconds, plain, spec(shared=shared)).metrics()
+    report = step_report(seconds, stepping, spec(shared=shared))
+    metrics = report.metrics()
+    compute = train_flops(SHAPE, seqs, head_tokens=16).total / (devices * 1e12)
+    assert without["perf/floor_s/update_actor"] == pytest.approx(compute)  # no steps counted: FLOPs only
+    reads = 3 * SHAPE.params * 5 * 4 / (devices * 1e11)
+    assert metrics["perf/floor_s/update_actor"] == pytest.approx(compute + reads)
+    critic_compute = train_flops(CRITIC, seqs, head_tokens=16).total / (devices * 1e12)
+    assert metrics["perf/floor_s/update_critic"] == pytest.approx(critic_compute + 2 * CRITIC.params * 20 / (devices * 1e11))
+    assert metrics["perf/mfu/actor"] == pytest.approx(without["perf/mfu/actor"])  # verl's MFU: model FLOPs only
+    assert report.phases["update_actor"].bound == "compute + optimizer"
+    with pytest.raises(ValueError, match="optimizer_steps=-1 must be >= 0"):
+        workload(prompts, responses, n=2, optimizer_steps=-1)
+
+
 def test_a_cpu_shares_one_peak_between_ranks():
     w = workload([8, 8], [4, 4], n=1, world=2)
     fwd = forward_flops(SHAPE, [12, 12], head_tokens=8).total
