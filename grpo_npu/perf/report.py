@@ -50,12 +50,13 @@ from grpo_npu.perf.flops import (
     train_flops,
 )
 from grpo_npu.perf.hardware import DeviceSpec
+from grpo_npu.perf.memory import ADAM_MOMENTS
 
 STEP = "step"  # the whole step's seconds, every other timed phase inside it
 # fp32 values an optimizer step reads per parameter: the gradient norm's pass over the gradient, then AdamW's
-# parameter, gradient and two moments (module docstring)
-OPTIMIZER_READS = 5
-MASTER_BYTES = 4  # the optimizer's parameters, gradients and moments are fp32
+# parameter, gradient and moments (module docstring)
+OPTIMIZER_READS = 1 + 2 + ADAM_MOMENTS
+MASTER_BYTES = DTYPE_BYTES["fp32"]  # the optimizer's parameters, gradients and moments
 IDLE = "idle"  # step time no phase accounts for (computed when not given)
 # Phase sums may exceed the step by timer noise only; more means nested phases were passed.
 _OVERLAP_TOLERANCE_S = 1e-3
