@@ -81,8 +81,9 @@ class StepLimits:
             log.info("%s%s", BASIS_PREFIX, self.spec.summary())
         self.cfg = cfg
         self.world_size = world_size
+        self.derived = derive(cfg, world_size)
         self.reports: list[StepReport] = []
-        self.memory = memory_plan_metrics(cfg, dev, self.actor, world_size, self.dtype, self.rollout_dtype)
+        self.memory = memory_plan_metrics(cfg, self.derived, dev, self.actor, self.dtype, self.rollout_dtype)
 
     def probe(self, timer: Timer) -> None:
         """Measure a CPU's bandwidth again, timed as this step's ``bandwidth_probe`` phase, when the probes so far
@@ -103,6 +104,7 @@ class StepLimits:
         if not self.enabled:
             return {}
         arr, critic = self.cfg.actor_rollout_ref, self.cfg.critic
+        epochs, critic_epochs = arr.actor.ppo_epochs, critic.ppo_epochs or arr.actor.ppo_epochs
         phases = {k: float(v) for k, v in seconds.items() if k in STEP_PHASES}
         sync = min(float(metrics.get(SYNC_METRIC, 0.0)), phases.get("gen", 0.0))
         if "gen" in phases and arr.rollout.name == "vllm":  # the transformers rollout runs the actor itself: no copy
@@ -115,11 +117,11 @@ class StepLimits:
         workload = StepWorkload(
             actor=self.actor, prompt_lengths=prompt_lengths, response_lengths=response_lengths, n=n,
             world_size=self.world_size, dtype=self.dtype, rollout_dtype=self.rollout_dtype,
-            gradient_checkpointing=arr.model.enable_gradient_checkpointing, ppo_epochs=arr.actor.ppo_epochs,
+            gradient_checkpointing=arr.model.enable_gradient_checkpointing, ppo_epochs=epochs,
             critic=self.critic, critic_gradient_checkpointing=critic.model.enable_gradient_checkpointing,
-            critic_ppo_epochs=critic.ppo_epochs or arr.actor.ppo_epochs,
-            optimizer_steps=self.optimizer_steps(len(prompt_lengths), n, critic=False),
-            critic_optimizer_steps=self.optimizer_steps(len(prompt_lengths), n, critic=True))
+            critic_ppo_epochs=critic_epochs,
+            optimizer_steps=epochs * self.mini_batches(len(prompt_lengths), critic=False),
+            critic_optimizer_steps=critic_epochs * self.mini_batches(len(prompt_lengths), critic=True))
         # The engine's decode steps, where it timed them and prefilled every prompt in one step (several prefill
         # steps would carry decode work with them: no decode-only time then)
         decode_s = metrics.get(DECODE_S) if metrics.get(PREFILL_STEPS) == 1 else None
@@ -129,17 +131,17 @@ class StepLimits:
         bandwidth = {BANDWIDTH_METRIC: self.spec.bandwidth / 1e9} if self.spec is not None else {}
         return {**result.metrics(), **bandwidth, **self.memory}
 
-    def optimizer_steps(self, rows: int, n: int, *, critic: bool) -> int:
-        """Optimizer steps the actor's (critic's) update takes over ``rows`` responses on the device the floors
-        describe: mini-batches x epochs, as the update loop splits them; 0 when the optimizer is offloaded to the
-        host of an accelerator (its step is then host work, outside the device's floor)."""
-        arr, model = self.cfg.actor_rollout_ref, self.cfg.critic
-        fsdp = model.model.fsdp_config if critic else arr.actor.fsdp_config
+    def mini_batches(self, rows: int, *, critic: bool) -> int:
+        """Optimizer steps per epoch of the actor's (critic's) update over ``rows`` responses on the device the
+        floors describe: each rank's share in mini-batches of the derived per-rank size, as the update loop splits
+        them; 0 when the optimizer is offloaded to the host of an accelerator (its step is then host work, outside
+        the device's floor)."""
+        fsdp = self.cfg.critic.model.fsdp_config if critic else self.cfg.actor_rollout_ref.actor.fsdp_config
         if fsdp.optimizer_offload and self.device_kind != "cpu":
             return 0
-        prompts = (model.ppo_mini_batch_size if critic else None) or arr.actor.ppo_mini_batch_size
-        epochs = (model.ppo_epochs if critic else None) or arr.actor.ppo_epochs
-        return -(-rows // (prompts * n)) * epochs
+        d = self.derived
+        size = d.critic_mini_batch_responses_per_rank if critic else d.mini_batch_responses_per_rank
+        return -(-(rows // self.world_size) // size)
 
     def verdict(self) -> str:
         """One line: the phase furthest from its limit over the run (see ``perf.report.verdict``)."""
@@ -158,10 +160,10 @@ def log_prob_rows(d: Derived, length: int) -> int:
                one(d.ref_log_prob_use_dynamic_bsz, d.ref_log_prob_max_token_len, d.ref_log_prob_micro_batch_per_rank))
 
 
-def memory_plan_metrics(cfg, dev: Device, shape: ModelShape, world_size: int, dtype, rollout_dtype) -> dict[str, float]:
+def memory_plan_metrics(cfg, d: Derived, dev: Device, shape: ModelShape, dtype, rollout_dtype) -> dict[str, float]:
     """Log the memory plan of this run as one table, warn for each phase that will not fit the device, and
     return its ``perf/mem_estimate_gb/*`` metrics (logged every step beside the measured peaks)."""
-    arr, d = cfg.actor_rollout_ref, derive(cfg, world_size)
+    arr, world_size = cfg.actor_rollout_ref, d.world_size
     actor, rollout = arr.actor, arr.rollout
     length = d.prompt_length + d.response_length
     tokens_micro = max(1, actor.ppo_max_token_len_per_gpu // length)  # dynamic batch size: rows of a full budget

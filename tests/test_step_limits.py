@@ -140,11 +140,14 @@ def test_the_update_floor_counts_the_optimizer_steps_the_update_takes(tiny_model
                                      "actor_rollout_ref.actor.ppo_epochs=2"])
     limits = StepLimits(cfg, get_device("cpu"), world_size=1, use_critic=False)
     limits.device_kind = device_kind
-    assert limits.optimizer_steps(8, 2, critic=False) == steps
+    assert 2 * limits.mini_batches(8, critic=False) == steps  # x ppo_epochs=2
+    if device_kind == "cpu":  # two ranks: each steps once per mini-batch of its half of the rows, the same count
+        two = StepLimits(cfg, get_device("cpu"), world_size=2, use_critic=False)
+        assert 2 * two.mini_batches(8, critic=False) == steps
     rows = ([5, 5, 7, 7, 5, 5, 7, 7], [3, 4, 2, 6, 3, 4, 2, 6])
     limits.device_kind = "cpu"
     counted = limits.report(SECONDS, {}, *rows, n=2)
-    limits.optimizer_steps = lambda *args, **kwargs: 0
+    limits.mini_batches = lambda *args, **kwargs: 0
     flops_only = limits.report(SECONDS, {}, *rows, n=2)
     reads = steps * limits.actor.params * 5 * 4 / limits.spec.bandwidth if device_kind == "cpu" else None
     if reads is not None:  # 5 fp32 reads per parameter and step, at the measured bandwidth
