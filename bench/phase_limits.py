@@ -52,6 +52,7 @@ RUN_TIMEOUT_S = 1800.0
 HOST_PROBES, HOST_PROBE_EVERY_S = 15, 2.0
 DECODE_FRAC, GEN_FRAC = "perf/limit_frac/decode_bandwidth", "perf/limit_frac/gen_bandwidth"
 DECODE_FLOOR = "perf/floor_s/decode_bandwidth"
+PREFILL_FRAC, PREFILL_FLOOR = "perf/limit_frac/prefill", "perf/floor_s/prefill"
 VERDICT_PREFIX = "perf: "  # the trainer's end-of-run verdict line (grpo_npu.perf.report.verdict)
 
 # 2 prompts x n=2, exactly 32 new tokens (ignore_eos), one micro-batch, KL loss, gradient checkpointing, fp32
@@ -98,7 +99,7 @@ def run_step(work: svt.Workload, root: Path) -> dict:
     steps = run["rows"][1:]
     if len(steps) < work.timed_steps:
         raise RuntimeError(f"the run logged {len(run['rows'])} step(s), expected 1 warm-up + {work.timed_steps}")
-    missing = [k for k in ("rollout/weight_sync_s", DECODE_FRAC, GEN_FRAC, BANDWIDTH_METRIC)
+    missing = [k for k in ("rollout/weight_sync_s", DECODE_FRAC, PREFILL_FRAC, GEN_FRAC, BANDWIDTH_METRIC)
                if k not in steps[0]]
     if missing:
         raise RuntimeError(f"the run's metrics have no {missing}: were the phase limits turned off? see {run['log']}")
@@ -208,10 +209,11 @@ def host_bandwidth_series(probes: int, every_s: float, threads: int) -> list[flo
 
 def decode_row(steps: list[dict]) -> dict:
     """The engine's decode steps in the median timed step (by fraction of their bandwidth floor), beside its
-    prefill step and the whole gen phase's fraction of the same floor."""
+    prefill step (against the prefill's roofline) and the whole gen phase's fraction of the decode's floor."""
     mid = median(steps, lambda r: r[DECODE_FRAC], higher_is_better=True)
     return {"phase": "decode (engine steps)", "seconds": mid[DECODE_S], "bandwidth_floor_s": mid[DECODE_FLOOR],
             "limit_frac": mid[DECODE_FRAC], "decode_steps": mid[DECODE_STEPS], "prefill_s": mid[PREFILL_S],
+            "prefill_floor_s": mid[PREFILL_FLOOR], "prefill_limit_frac": mid[PREFILL_FRAC],
             "gen_limit_frac_bandwidth": mid[GEN_FRAC],
             "seconds_all": "/".join(f"{r[DECODE_S]:.3g}" for r in steps)}
 
@@ -348,8 +350,9 @@ def describe(work: svt.Workload, floor: dict, sync_s: float, verdict: str | None
         "step + the KV cache attended to, over the measured copy bandwidth, / the seconds of the engine's decode "
         "steps as its model runner timed them (rollout/decode_s: from execute_model to the end of sample_tokens, "
         "sampling included; the prefill step and the engine's host work between steps excluded)); the decode row "
-        "shows them beside the prefill step's seconds and perf/limit_frac/gen_bandwidth, the same floor (plus the "
-        "prefill's weight read) over the whole gen phase",
+        "shows them beside the prefill step's seconds against the prefill's roofline (perf/floor_s/prefill, each "
+        "group's prompt once; perf/limit_frac/prefill) and perf/limit_frac/gen_bandwidth, the decode's floor (plus "
+        "the prefill's weight read) over the whole gen phase",
         f"weight_sync_over_copy_plus_prepack: the run's rollout/weight_sync_s (median timed step) / (an in-memory "
         f"copy_ "
         f"of the same state dict into preallocated tensors ({floor['tensors']} tensors, {floor['state_MB']:.0f} MB, "

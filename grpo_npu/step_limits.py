@@ -27,7 +27,7 @@ from grpo_npu.perf.flops import ModelShape, dtype_name
 from grpo_npu.perf.hardware import cpu_bandwidth_probe, cpu_device_spec, cpu_probe_seconds, device_spec
 from grpo_npu.perf.memory import MemoryInputs, memory_table, over_capacity, plan_memory, plan_metrics
 from grpo_npu.perf.report import StepReport, StepWorkload, step_report, verdict
-from grpo_npu.rollout.vllm_cpu_steps import DECODE_S, PREFILL_STEPS
+from grpo_npu.rollout.vllm_cpu_steps import DECODE_S, PREFILL_S, PREFILL_STEPS
 from grpo_npu.rollout.vllm_settings import CPU_KV_CACHE_BYTES
 from grpo_npu.run_control import Timer
 from grpo_npu.workers.response_model import (actor_fsdp_wrap_on, actor_reshard_after_forward, compute_dtype_of,
@@ -122,10 +122,11 @@ class StepLimits:
             critic_ppo_epochs=critic_epochs,
             optimizer_steps=epochs * self.mini_batches(len(prompt_lengths), critic=False),
             critic_optimizer_steps=critic_epochs * self.mini_batches(len(prompt_lengths), critic=True))
-        # The engine's decode steps, where it timed them and prefilled every prompt in one step (several prefill
-        # steps would carry decode work with them: no decode-only time then)
-        decode_s = metrics.get(DECODE_S) if metrics.get(PREFILL_STEPS) == 1 else None
-        result = step_report(phases, workload, self.spec, decode_s=decode_s)
+        # The engine's prefill and decode steps, where it timed them and prefilled every prompt in one step (several
+        # prefill steps would carry decode work with them: neither time is then the work its floor counts)
+        one_prefill = metrics.get(PREFILL_STEPS) == 1
+        result = step_report(phases, workload, self.spec, decode_s=metrics.get(DECODE_S) if one_prefill else None,
+                             prefill_s=metrics.get(PREFILL_S) if one_prefill else None)
         self.reports.append(result)
         self.steps_s += phases["step"]
         bandwidth = {BANDWIDTH_METRIC: self.spec.bandwidth / 1e9} if self.spec is not None else {}

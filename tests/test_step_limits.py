@@ -39,8 +39,9 @@ def test_report_of_one_step(tiny_model_path, rollout):
 
 
 def test_the_decode_is_held_to_its_bandwidth_floor_when_the_engine_prefilled_in_one_step(tiny_model_path):
-    """The engine's decode seconds (rollout/decode_s) against the decode steps' bandwidth floor; not when it
-    prefilled in several steps (each carrying decode work with it) or did not time its steps."""
+    """The engine's decode seconds (rollout/decode_s) against the decode steps' bandwidth floor, and its prefill
+    step's (rollout/prefill_s) against the prefill's roofline; neither when it prefilled in several steps (each
+    carrying decode work with it) or did not time its steps."""
     cfg = load_config(BASE + [f"actor_rollout_ref.model.path={tiny_model_path}", "actor_rollout_ref.rollout.name=vllm"])
     limits = StepLimits(cfg, get_device("cpu"), world_size=1, use_critic=False)
     rows = ([5, 5, 7, 7], [3, 4, 2, 6])
@@ -49,8 +50,12 @@ def test_the_decode_is_held_to_its_bandwidth_floor_when_the_engine_prefilled_in_
     half = limits.report(SECONDS, {**timed, "rollout/decode_s": 0.1}, *rows, n=2)
     assert one["perf/limit_frac/decode_bandwidth"] == pytest.approx(one["perf/floor_s/decode_bandwidth"] / 0.2)
     assert half["perf/limit_frac/decode_bandwidth"] == pytest.approx(2 * one["perf/limit_frac/decode_bandwidth"])
-    for other in ({**timed, "rollout/prefill_steps": 2.0}, {"rollout/weight_sync_s": 0.3}):
-        assert "perf/limit_frac/decode_bandwidth" not in limits.report(SECONDS, other, *rows, n=2)
+    prefilled = limits.report(SECONDS, {**timed, "rollout/prefill_s": 0.05}, *rows, n=2)  # its prefill step too
+    assert prefilled["perf/limit_frac/prefill"] == pytest.approx(prefilled["perf/floor_s/prefill"] / 0.05)
+    assert "perf/limit_frac/prefill" not in one  # not timed
+    for other in ({**timed, "rollout/prefill_s": 0.05, "rollout/prefill_steps": 2.0}, {"rollout/weight_sync_s": 0.3}):
+        held = limits.report(SECONDS, other, *rows, n=2)
+        assert "perf/limit_frac/decode_bandwidth" not in held and "perf/limit_frac/prefill" not in held
 
 
 def test_the_sync_check_is_a_phase_of_its_own_on_the_steps_it_runs(tiny_model_path):

@@ -17,7 +17,9 @@ what is counted):
                                  cache of every key attended to ("roofline"). The bandwidth term alone
                                  is reported too (``perf/limit_frac/gen_bandwidth``), and, where the
                                  engine timed its decode steps (``decode_s``), the decode steps' bandwidth
-                                 term against their time (``perf/limit_frac/decode_bandwidth``).
+                                 term against their time (``perf/limit_frac/decode_bandwidth``), and the
+                                 prefill's roofline against its own time (``prefill_s``:
+                                 ``perf/limit_frac/prefill``).
     sync                         one in-memory copy of the weights into the engine (read in the compute
                                  dtype, written in the engine's) / bandwidth
 Other phases (reward, adv, idle, ...) have no modelled floor; they are reported as shares of the step.
@@ -137,6 +139,8 @@ class StepReport:
     gen_bandwidth_floor_s: float | None = None  # gen's floor from memory traffic alone
     decode_bandwidth_floor_s: float | None = None  # the decode steps' (prefill excluded), from memory traffic alone
     decode_s: float | None = None  # the engine's decode steps, as it timed them
+    prefill_floor_s: float | None = None  # the prefill's roofline: each group's prompt once
+    prefill_s: float | None = None  # the engine's prefill step, as it timed it
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = dict(self.mfu)
@@ -152,6 +156,9 @@ class StepReport:
         if self.decode_bandwidth_floor_s is not None and self.decode_s:
             out["perf/floor_s/decode_bandwidth"] = self.decode_bandwidth_floor_s
             out["perf/limit_frac/decode_bandwidth"] = self.decode_bandwidth_floor_s / self.decode_s
+        if self.prefill_floor_s is not None and self.prefill_s:
+            out["perf/floor_s/prefill"] = self.prefill_floor_s
+            out["perf/limit_frac/prefill"] = self.prefill_floor_s / self.prefill_s
         return out
 
 
@@ -159,11 +166,11 @@ class StepReport:
 # Floors
 # ------------------------------------------------------------------------------------------------
 def _rank_generation(shape: ModelShape, prompts: Sequence[int], responses: Sequence[int], n: int,
-                     peak: float, bandwidth: float, dtype: str) -> tuple[float, float, float]:
-    """(roofline, bandwidth-only, the decode steps' bandwidth-only) seconds for one engine generating these rows
-    together."""
+                     peak: float, bandwidth: float, dtype: str) -> tuple[float, float, float, float]:
+    """(roofline, bandwidth-only, the decode steps' bandwidth-only, the prefill's roofline) seconds for one engine
+    generating these rows together."""
     if not prompts:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     weight_bytes = shape.read_weights * DTYPE_BYTES[dtype]
     kv_per_token = shape.kv_bytes_per_token(dtype)
     # Prefill, each prompt once: the n rows of a group have the same prompt, so 1/n of the rows' sum.
@@ -171,7 +178,8 @@ def _rank_generation(shape: ModelShape, prompts: Sequence[int], responses: Seque
                     attention=shape.attention_flops_per_pair * sum(attention_pairs(p) for p in prompts) / n,
                     head=shape.head_flops_per_token * len(prompts) / n)  # one position per prompt is sampled
     memory = (weight_bytes + kv_per_token * sum(prompts) / n) / bandwidth
-    roofline, bandwidth_only, decode = max(prefill.total / peak, memory), memory, 0.0
+    prefill_roofline = max(prefill.total / peak, memory)
+    roofline, bandwidth_only, decode = prefill_roofline, memory, 0.0
     # Decode step s >= 1 feeds each row's response token s; it runs for rows with more than s tokens
     # and attends to the row's prompt plus s response tokens.
     order = sorted(range(len(responses)), key=responses.__getitem__)
@@ -184,7 +192,7 @@ def _rank_generation(shape: ModelShape, prompts: Sequence[int], responses: Seque
         roofline += max(decode_step_flops(shape, rows=active, keys=keys).total / peak, memory)
         bandwidth_only += memory
         decode += memory
-    return roofline, bandwidth_only, decode
+    return roofline, bandwidth_only, decode, prefill_roofline
 
 
 def generation_floor(workload: StepWorkload, spec: DeviceSpec) -> tuple[float, float]:
@@ -197,7 +205,12 @@ def decode_bandwidth_floor(workload: StepWorkload, spec: DeviceSpec) -> float:
     return _generation_floors(workload, spec)[2]
 
 
-def _generation_floors(workload: StepWorkload, spec: DeviceSpec) -> tuple[float, float, float]:
+def prefill_floor(workload: StepWorkload, spec: DeviceSpec) -> float:
+    """Floor seconds of the prefill (each group's prompt once, its first token sampled): the slowest rank's."""
+    return _generation_floors(workload, spec)[3]
+
+
+def _generation_floors(workload: StepWorkload, spec: DeviceSpec) -> tuple[float, float, float, float]:
     w = workload
     groups = len(w.prompt_lengths) // w.n
     per_rank, start = [], 0
@@ -208,7 +221,7 @@ def _generation_floors(workload: StepWorkload, spec: DeviceSpec) -> tuple[float,
                                          spec.peak(w.rollout_dtype), spec.bandwidth, w.rollout_dtype))
         start += count
     combine = sum if spec.ranks_share_device else max
-    return combine(r[0] for r in per_rank), combine(r[1] for r in per_rank), combine(r[2] for r in per_rank)
+    return tuple(combine(r[i] for r in per_rank) for i in range(4))
 
 
 def _model_flops(workload: StepWorkload) -> dict[str, tuple[Flops, Flops]]:
@@ -247,21 +260,23 @@ _MFU_PHASES = {"perf/mfu/actor": ("update_actor",), "perf/mfu/actor_infer": ("ol
 
 
 def step_report(seconds: Mapping[str, float], workload: StepWorkload, spec: DeviceSpec | None,
-                decode_s: float | None = None) -> StepReport:
+                decode_s: float | None = None, prefill_s: float | None = None) -> StepReport:
     """Each timed phase of one step against its floor.
 
     ``seconds``: ``{"step": total, phase: seconds, ...}`` with disjoint phases inside the step (e.g.
     ``gen`` without the weight sync, passed as ``sync``); ``idle`` is the remainder unless given.
     ``spec`` None (a device not in the table): shares only, no floors or MFU. ``decode_s``: the seconds the
-    engine spent in its decode steps (the prefill's and the engine's host work excluded), where it timed them.
+    engine spent in its decode steps (the prefill's and the engine's host work excluded), where it timed them;
+    ``prefill_s``: the seconds of its prefill step, likewise.
     """
     if STEP not in seconds:
         raise ValueError(f"step_report: seconds has no {STEP!r} entry (the whole step's time); got {sorted(seconds)}")
     for name, value in seconds.items():
         if not 0 <= float(value) < float("inf"):
             raise ValueError(f"step_report: phase {name!r} took {value} s; expected a finite time >= 0")
-    if decode_s is not None and not 0 <= float(decode_s) < float("inf"):
-        raise ValueError(f"step_report: decode_s={decode_s}; expected a finite time >= 0")
+    for name, value in (("decode_s", decode_s), ("prefill_s", prefill_s)):
+        if value is not None and not 0 <= float(value) < float("inf"):
+            raise ValueError(f"step_report: {name}={value}; expected a finite time >= 0")
     step_s = float(seconds[STEP])
     if step_s <= 0:
         raise ValueError(f"step_report: step took {step_s} s; expected > 0")
@@ -282,7 +297,7 @@ def step_report(seconds: Mapping[str, float], workload: StepWorkload, spec: Devi
     peak_all = spec.peak(w.dtype) * spec.devices(w.world_size)
     flops = _model_flops(w)
     phases: dict[str, PhaseCost] = {}
-    gen_bandwidth = decode_floor = None
+    gen_bandwidth = decode_floor = prefill = None
     optimizer = _optimizer_floors(w, spec)
     for name, t in times.items():
         if name in optimizer:
@@ -290,7 +305,7 @@ def step_report(seconds: Mapping[str, float], workload: StepWorkload, spec: Devi
         elif name in flops:
             phases[name] = PhaseCost(t, flops[name][1].total / peak_all, "compute")
         elif name == "gen":
-            roofline, gen_bandwidth, decode_floor = _generation_floors(w, spec)
+            roofline, gen_bandwidth, decode_floor, prefill = _generation_floors(w, spec)
             phases[name] = PhaseCost(t, roofline, "roofline")
         elif name == "sync":
             # read (compute dtype) + write (engine dtype), on every rank
@@ -304,7 +319,7 @@ def step_report(seconds: Mapping[str, float], workload: StepWorkload, spec: Devi
         ran = [p for p in names if p in flops and times.get(p, 0.0) > 0]
         if ran:
             mfu[metric] = sum(flops[p][0].total for p in ran) / (sum(times[p] for p in ran) * peak_all)
-    return StepReport(step_s, phases, mfu, gen_bandwidth, decode_floor, decode_s)
+    return StepReport(step_s, phases, mfu, gen_bandwidth, decode_floor, decode_s, prefill, prefill_s)
 
 
 # ------------------------------------------------------------------------------------------------

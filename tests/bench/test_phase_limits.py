@@ -43,6 +43,7 @@ def _step(step_s, gen_share, gen_frac, sync_s, bandwidth_frac, update_frac=0.5, 
             "rollout/decode_s": decode_s, "rollout/decode_steps": 31.0, "rollout/prefill_s": 0.2 * decode_s,
             "perf/floor_s/decode_bandwidth": bandwidth_frac * decode_s,
             "perf/limit_frac/decode_bandwidth": bandwidth_frac,
+            "perf/floor_s/prefill": 0.1 * decode_s, "perf/limit_frac/prefill": 0.5,  # the prefill at half its roofline
             "perf/share/update_actor": 0.5, "perf/floor_s/update_actor": update_frac * 0.5 * step_s,
             "perf/limit_frac/update_actor": update_frac,
             "perf/share/sync": sync_s / step_s, "perf/floor_s/sync": sync_s / 3, "perf/limit_frac/sync": 1 / 3,
@@ -148,6 +149,7 @@ def test_the_decode_row_is_the_engines_decode_steps_of_the_median_step():
     assert row["limit_frac"] == 0.55 and row["seconds"] == pytest.approx(0.6 * 0.25 * 8.0)
     assert row["bandwidth_floor_s"] == pytest.approx(0.55 * row["seconds"]) and row["decode_steps"] == 31
     assert row["prefill_s"] == pytest.approx(0.2 * row["seconds"])
+    assert row["prefill_floor_s"] == pytest.approx(0.1 * row["seconds"]) and row["prefill_limit_frac"] == 0.5
     assert row["gen_limit_frac_bandwidth"] == pytest.approx(0.6 * 0.55)  # the whole phase, prefill included
 
 

@@ -7,7 +7,7 @@ import pytest
 from grpo_npu.perf.flops import ModelShape, attention_pairs, forward_flops, train_flops
 from grpo_npu.perf.hardware import DeviceSpec
 from grpo_npu.perf.report import (PhaseCost, StepReport, StepWorkload, decode_bandwidth_floor, generation_floor,
-                                  step_report, verdict)
+                                  prefill_floor, step_report, verdict)
 
 SHAPE = ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=96, vocab=128,
                    head_width=128, tied_embeddings=True)
@@ -56,6 +56,24 @@ def test_the_decode_floor_is_the_decode_steps_memory_traffic_without_the_prefill
     assert "perf/limit_frac/decode_bandwidth" not in step_report(seconds, w, spec()).metrics()  # not timed
     with pytest.raises(ValueError, match="decode_s=-1"):
         step_report(seconds, w, spec(), decode_s=-1)
+
+
+def test_the_prefill_floor_is_each_groups_prompt_once_and_is_held_to_the_engines_prefill_step():
+    prompts, n = [10, 10, 7, 7], 2  # two groups of two rows
+    w = workload(prompts, [6] * 4, n=n)
+    once = forward_flops(SHAPE, [10, 7], head_tokens=2, causal=True).total  # each prompt once, one token sampled
+    assert prefill_floor(w, spec(bandwidth=HUGE)) == pytest.approx(once / 1e12)
+    read = SHAPE.read_weights * 4 + SHAPE.kv_bytes_per_token("fp32") * (10 + 7)  # weights once, each cache written once
+    assert prefill_floor(w, spec(peak=HUGE)) == pytest.approx(read / 1e11)
+    # the gen roofline starts with it: with one token per row there is no decode step
+    assert generation_floor(workload(prompts, [1] * 4, n=n), spec())[0] == pytest.approx(prefill_floor(w, spec()))
+    seconds = {"step": 1.0, "gen": 0.5}
+    metrics = step_report(seconds, w, spec(), decode_s=0.3, prefill_s=0.125).metrics()
+    assert metrics["perf/floor_s/prefill"] == pytest.approx(prefill_floor(w, spec()))
+    assert metrics["perf/limit_frac/prefill"] == pytest.approx(prefill_floor(w, spec()) / 0.125)
+    assert "perf/limit_frac/prefill" not in step_report(seconds, w, spec(), decode_s=0.3).metrics()  # not timed
+    with pytest.raises(ValueError, match="prefill_s=inf"):
+        step_report(seconds, w, spec(), prefill_s=float("inf"))
 
 
 def test_finished_rows_stop_costing():
