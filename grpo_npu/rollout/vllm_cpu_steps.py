@@ -7,7 +7,8 @@ worker after the engine's build) times every engine step in the worker's model r
 ``execute_model`` to the end of its ``sample_tokens``: a step that computes more tokens than it has requests
 (a prompt) is a prefill step, the others are decode steps. :func:`timing` reads the sums after a generation, as
 the rollout metrics ``rollout/prefill_s``, ``rollout/prefill_steps``, ``rollout/decode_s`` and
-``rollout/decode_steps``; :mod:`grpo_npu.step_limits` holds ``decode_s`` to the decode's bandwidth floor.
+``rollout/decode_steps``; :mod:`grpo_npu.step_limits` holds ``decode_s`` to the decode's bandwidth floor and
+``prefill_s`` to the prefill's roofline.
 
 CPU engines only: they execute a step before returning from it. A GPU or NPU model runner returns while its
 device still works (and may overlap steps), so a host clock around its calls does not time the step.
