@@ -17,7 +17,7 @@ from grpo_npu.batch import RolloutBatch
 from grpo_npu.config import Config
 from grpo_npu.device import get_device
 from grpo_npu.rollout.base import GenerationOutput, SamplingConfig
-from grpo_npu.rollout.layout import RolloutLayout
+from grpo_npu.rollout.layout import RolloutLayout, rollout_tp
 from grpo_npu.rollout.vllm_settings import default_sleep_level
 from grpo_npu.workers import LocalGroup, RayGroup, WorkerGroup
 from grpo_npu.workers.hybrid import HybridWorker
@@ -64,8 +64,7 @@ class Workers:
     def build(cls, cfg: Config, *, total_training_steps: int, worker_cls: type = HybridWorker,
               with_rollout: bool = True) -> "Workers":
         rollout = cfg.actor_rollout_ref.rollout
-        vllm = with_rollout and rollout.name == "vllm"
-        tp = rollout.tensor_model_parallel_size if vllm else 1  # the transformers rollout is data-parallel
+        tp = rollout_tp(rollout) if with_rollout else 1
         layout = RolloutLayout(cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node, tp)  # refuses a tp before any start
         check_stack(cfg, with_rollout=with_rollout)
         group = make_group(cfg, worker_cls, (cfg, with_rollout))

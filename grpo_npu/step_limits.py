@@ -27,6 +27,7 @@ from grpo_npu.perf.flops import ModelShape, dtype_name
 from grpo_npu.perf.hardware import cpu_bandwidth_probe, cpu_device_spec, cpu_probe_seconds, device_spec
 from grpo_npu.perf.memory import MemoryInputs, memory_table, over_capacity, plan_memory, plan_metrics
 from grpo_npu.perf.report import StepReport, StepWorkload, step_report, verdict
+from grpo_npu.rollout.layout import rollout_tp
 from grpo_npu.rollout.vllm_cpu_steps import DECODE_S, PREFILL_S, PREFILL_STEPS
 from grpo_npu.rollout.vllm_settings import CPU_KV_CACHE_BYTES
 from grpo_npu.run_control import Timer
@@ -116,7 +117,8 @@ class StepLimits:
             phases["sync_check"] = check
         workload = StepWorkload(
             actor=self.actor, prompt_lengths=prompt_lengths, response_lengths=response_lengths, n=n,
-            world_size=self.world_size, dtype=self.dtype, rollout_dtype=self.rollout_dtype,
+            world_size=self.world_size, rollout_tp=rollout_tp(arr.rollout), dtype=self.dtype,
+            rollout_dtype=self.rollout_dtype,
             gradient_checkpointing=arr.model.enable_gradient_checkpointing, ppo_epochs=epochs,
             critic=self.critic, critic_gradient_checkpointing=critic.model.enable_gradient_checkpointing,
             critic_ppo_epochs=critic_epochs,

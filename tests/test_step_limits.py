@@ -18,7 +18,7 @@ from grpo_npu.step_limits import BANDWIDTH_METRIC, BANDWIDTH_PROBE, BASIS_PREFIX
 
 BASE = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "trainer.n_gpus_per_node=1",
         "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "algorithm.adv_estimator=grpo",
-        "actor_rollout_ref.rollout.n=2"]
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
 SECONDS = {"step": 2.0, "gen": 0.8, "reward": 0.01, "old_log_prob": 0.1, "adv": 0.01, "update_actor": 0.9,
            "testing": 5.0}  # testing runs after the step: not a phase of it
 
@@ -56,6 +56,23 @@ def test_the_decode_is_held_to_its_bandwidth_floor_when_the_engine_prefilled_in_
     for other in ({**timed, "rollout/prefill_s": 0.05, "rollout/prefill_steps": 2.0}, {"rollout/weight_sync_s": 0.3}):
         held = limits.report(SECONDS, other, *rows, n=2)
         assert "perf/limit_frac/decode_bandwidth" not in held and "perf/limit_frac/prefill" not in held
+
+
+def test_a_tensor_parallel_engine_is_one_engine_on_the_ranks_it_spans(tiny_model_path, monkeypatch):
+    """vLLM tensor parallelism: the ranks of a group run one engine over the group's prompts. On the CPU the two
+    ranks share one device, so one tp=2 engine over all rows has the floor of one rank's engine over them; two
+    data-parallel engines (tp=1) over half the rows each read every weight twice."""
+    monkeypatch.setattr("grpo_npu.step_limits.cpu_bandwidth_probe", lambda: 3e10)  # the same bandwidth for each
+    def gen_floor(world_size: int, tp: int) -> float:
+        cfg = load_config(BASE + [f"actor_rollout_ref.model.path={tiny_model_path}", "actor_rollout_ref.rollout.name=vllm",
+                                  f"trainer.n_gpus_per_node={world_size}",
+                                  f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"])
+        limits = StepLimits(cfg, get_device("cpu"), world_size=world_size, use_critic=False)
+        return limits.report(SECONDS, {"rollout/weight_sync_s": 0.3}, [5, 5, 7, 7], [3, 4, 2, 6], n=2)["perf/floor_s/gen"]
+
+    one = gen_floor(1, 1)
+    assert gen_floor(2, 2) == pytest.approx(one, rel=1e-6)
+    assert gen_floor(2, 1) > one
 
 
 def test_the_sync_check_is_a_phase_of_its_own_on_the_steps_it_runs(tiny_model_path):

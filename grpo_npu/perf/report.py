@@ -21,13 +21,17 @@ what is counted):
                                  prefill's roofline against its own time (``prefill_s``:
                                  ``perf/limit_frac/prefill``).
     sync                         one in-memory copy of the weights into the engine (read in the compute
-                                 dtype, written in the engine's) / bandwidth
+                                 dtype, written in the engine's) / bandwidth; each rank of a
+                                 tensor-parallel engine copies its shard
 Other phases (reward, adv, idle, ...) have no modelled floor; they are reported as shares of the step.
 
 Rows are the unit, as in verl: a row's forward covers its prompt and response, the head runs on its
-response tokens (the tokens scored). Each rank generates a contiguous share of the prompt groups
-(how the trainer dispatches them), so the gen floor is the slowest rank's. On a device the ranks
-share (CPU) the floors of the ranks add up instead.
+response tokens (the tokens scored). Each generation engine (one per rank, or one per ``rollout_tp``
+ranks under vLLM tensor parallelism) generates a contiguous share of the prompt groups (how the trainer
+dispatches them, :mod:`grpo_npu.rollout.layout`), so the gen floor is the slowest engine's. Tensor
+parallelism splits an engine's weights and FLOPs over its ranks' devices (its communication is not
+counted: the floor stays a lower bound). On a device the ranks share (CPU) the engines' floors add up
+instead, and an engine's ranks split nothing.
 
 Metrics: ``perf/mfu/actor`` (update), ``perf/mfu/actor_infer`` (old + ref log-prob forwards) and
 ``perf/mfu/critic`` under verl's names and meaning (model FLOPs, no recompute, over the peak of every
@@ -75,6 +79,7 @@ class StepWorkload:
     world_size: int  # ranks, each generating and training on its share of the rows
     dtype: str  # compute dtype of the log-prob forwards and the updates ('fp32', 'bf16', 'fp16')
     rollout_dtype: str | None = None  # the generation engine's dtype; None: ``dtype``
+    rollout_tp: int = 1  # ranks per generation engine (vLLM tensor parallelism); divides world_size
     gradient_checkpointing: bool = False  # the actor recomputes its layers in backward
     ppo_epochs: int = 1  # actor passes over the batch per step
     critic: ModelShape | None = None  # None: no critic phases
@@ -92,10 +97,12 @@ class StepWorkload:
         if rows == 0 or len(self.response_lengths) != rows:
             raise ValueError(f"StepWorkload: {rows} prompt lengths and {len(self.response_lengths)} response "
                              "lengths; expected the same number (> 0), one per row")
-        for name, value in (("n", self.n), ("world_size", self.world_size), ("ppo_epochs", self.ppo_epochs),
-                            ("critic_ppo_epochs", self.critic_ppo_epochs or 1)):
+        for name, value in (("n", self.n), ("world_size", self.world_size), ("rollout_tp", self.rollout_tp),
+                            ("ppo_epochs", self.ppo_epochs), ("critic_ppo_epochs", self.critic_ppo_epochs or 1)):
             if value < 1:
                 raise ValueError(f"StepWorkload.{name}={value} must be >= 1")
+        if self.world_size % self.rollout_tp:
+            raise ValueError(f"StepWorkload.rollout_tp={self.rollout_tp} must divide world_size={self.world_size}")
         for name in ("optimizer_steps", "critic_optimizer_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"StepWorkload.{name}={getattr(self, name)} must be >= 0")
@@ -165,10 +172,10 @@ class StepReport:
 # ------------------------------------------------------------------------------------------------
 # Floors
 # ------------------------------------------------------------------------------------------------
-def _rank_generation(shape: ModelShape, prompts: Sequence[int], responses: Sequence[int], n: int,
+def _engine_generation(shape: ModelShape, prompts: Sequence[int], responses: Sequence[int], n: int,
                      peak: float, bandwidth: float, dtype: str) -> tuple[float, float, float, float]:
     """(roofline, bandwidth-only, the decode steps' bandwidth-only, the prefill's roofline) seconds for one engine
-    generating these rows together."""
+    generating these rows together, on devices of this ``peak`` and ``bandwidth`` together."""
     if not prompts:
         return 0.0, 0.0, 0.0, 0.0
     weight_bytes = shape.read_weights * DTYPE_BYTES[dtype]
@@ -196,32 +203,34 @@ def _rank_generation(shape: ModelShape, prompts: Sequence[int], responses: Seque
 
 
 def generation_floor(workload: StepWorkload, spec: DeviceSpec) -> tuple[float, float]:
-    """(roofline, bandwidth-only) floor seconds of the gen phase: the slowest rank's (module docstring)."""
+    """(roofline, bandwidth-only) floor seconds of the gen phase: the slowest engine's (module docstring)."""
     return _generation_floors(workload, spec)[:2]
 
 
 def decode_bandwidth_floor(workload: StepWorkload, spec: DeviceSpec) -> float:
-    """Floor seconds of the decode steps from memory traffic alone (the prefill's excluded): the slowest rank's."""
+    """Floor seconds of the decode steps from memory traffic alone (the prefill's excluded): the slowest engine's."""
     return _generation_floors(workload, spec)[2]
 
 
 def prefill_floor(workload: StepWorkload, spec: DeviceSpec) -> float:
-    """Floor seconds of the prefill (each group's prompt once, its first token sampled): the slowest rank's."""
+    """Floor seconds of the prefill (each group's prompt once, its first token sampled): the slowest engine's."""
     return _generation_floors(workload, spec)[3]
 
 
 def _generation_floors(workload: StepWorkload, spec: DeviceSpec) -> tuple[float, float, float, float]:
     w = workload
-    groups = len(w.prompt_lengths) // w.n
-    per_rank, start = [], 0
-    for rank in range(w.world_size):  # contiguous prompt groups per rank, the first ranks one more
-        count = groups // w.world_size + (rank < groups % w.world_size)
+    groups, engines = len(w.prompt_lengths) // w.n, w.world_size // w.rollout_tp
+    split = 1 if spec.ranks_share_device else w.rollout_tp  # devices an engine's weights and FLOPs are split over
+    per_engine, start = [], 0
+    for engine in range(engines):  # contiguous prompt groups per engine, the first engines one more
+        count = groups // engines + (engine < groups % engines)
         rows = slice(start * w.n, (start + count) * w.n)
-        per_rank.append(_rank_generation(w.actor, w.prompt_lengths[rows], w.response_lengths[rows], w.n,
-                                         spec.peak(w.rollout_dtype), spec.bandwidth, w.rollout_dtype))
+        per_engine.append(_engine_generation(w.actor, w.prompt_lengths[rows], w.response_lengths[rows], w.n,
+                                           split * spec.peak(w.rollout_dtype), split * spec.bandwidth,
+                                           w.rollout_dtype))
         start += count
     combine = sum if spec.ranks_share_device else max
-    return tuple(combine(r[i] for r in per_rank) for i in range(4))
+    return tuple(combine(r[i] for r in per_engine) for i in range(4))
 
 
 def _model_flops(workload: StepWorkload) -> dict[str, tuple[Flops, Flops]]:
@@ -309,7 +318,7 @@ def step_report(seconds: Mapping[str, float], workload: StepWorkload, spec: Devi
             phases[name] = PhaseCost(t, roofline, "roofline")
         elif name == "sync":
             # read (compute dtype) + write (engine dtype), on every rank
-            copy_bytes = w.actor.params * (DTYPE_BYTES[w.dtype] + DTYPE_BYTES[w.rollout_dtype])
+            copy_bytes = w.actor.params * (DTYPE_BYTES[w.dtype] + DTYPE_BYTES[w.rollout_dtype]) / w.rollout_tp
             copies = w.world_size if spec.ranks_share_device else 1
             phases[name] = PhaseCost(t, copies * copy_bytes / spec.bandwidth, "copy")
         else:

@@ -25,6 +25,12 @@ GROUP_SEED_STRIDE = 1_000_003
 TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 
 
+def rollout_tp(rollout: Any) -> int:
+    """Ranks per generation engine for a rollout config: vLLM's tensor_model_parallel_size; 1 for the transformers
+    rollout, which is data-parallel."""
+    return rollout.tensor_model_parallel_size if rollout.name == "vllm" else 1
+
+
 @dataclass(frozen=True)
 class RolloutLayout:
     """``world_size`` ranks in groups of ``tp`` consecutive ranks (one engine per group)."""

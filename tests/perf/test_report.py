@@ -101,6 +101,22 @@ def test_ranks_generate_in_parallel_unless_they_share_the_device():
     assert shared == pytest.approx((2 * one[0], 2 * one[1]))
 
 
+def test_a_tensor_parallel_engine_splits_its_work_over_its_ranks_devices():
+    prompts, responses = [6, 6, 9, 9], [4, 8, 2, 2]
+    one = workload(prompts, responses, n=2)
+    tp2 = workload(prompts, responses, n=2, world=2, rollout_tp=2)  # one engine over both ranks
+    assert generation_floor(tp2, spec()) == pytest.approx(tuple(x / 2 for x in generation_floor(one, spec())))
+    assert decode_bandwidth_floor(tp2, spec()) == pytest.approx(decode_bandwidth_floor(one, spec()) / 2)
+    assert prefill_floor(tp2, spec()) == pytest.approx(prefill_floor(one, spec()) / 2)
+    # a device the ranks share splits nothing: the one engine's whole work
+    assert generation_floor(tp2, spec(shared=True)) == pytest.approx(generation_floor(one, spec()))
+    # two engines of two ranks each: each half of the groups on two devices
+    four = workload(prompts * 2, responses * 2, n=2, world=4, rollout_tp=2)
+    assert generation_floor(four, spec()) == pytest.approx(generation_floor(tp2, spec()))
+    with pytest.raises(ValueError, match="rollout_tp=3 must divide world_size=4"):
+        workload(prompts, responses, n=2, world=4, rollout_tp=3)
+
+
 # ------------------------------------------------------------------------------------------------
 # step report
 # ------------------------------------------------------------------------------------------------
@@ -194,6 +210,14 @@ def test_sync_floor_reads_the_compute_dtype_and_writes_the_engines():
     assert metrics["perf/floor_s/sync"] == pytest.approx(SHAPE.params * (4 + 2) / 1e11)
     bf16 = StepWorkload(actor=SHAPE, prompt_lengths=[3], response_lengths=[1], n=1, world_size=1, dtype="bf16")
     metrics = step_report({"step": 1.0, "sync": 0.5}, bf16, bf16_spec).metrics()
+    assert metrics["perf/floor_s/sync"] == pytest.approx(SHAPE.params * (2 + 2) / 1e11)
+    # a tensor-parallel engine: each of its ranks copies its shard (on a shared device, every rank's shard)
+    tp2 = StepWorkload(actor=SHAPE, prompt_lengths=[3, 3], response_lengths=[1, 1], n=1, world_size=2, rollout_tp=2,
+                       dtype="bf16")
+    metrics = step_report({"step": 1.0, "sync": 0.5}, tp2, bf16_spec).metrics()
+    assert metrics["perf/floor_s/sync"] == pytest.approx(SHAPE.params * (2 + 2) / 2 / 1e11)
+    shared = DeviceSpec("test", {"fp32": 1e12, "bf16": 2e12}, 1e11, "test", ranks_share_device=True)
+    metrics = step_report({"step": 1.0, "sync": 0.5}, tp2, shared).metrics()
     assert metrics["perf/floor_s/sync"] == pytest.approx(SHAPE.params * (2 + 2) / 1e11)
 
 
