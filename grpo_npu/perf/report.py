@@ -339,7 +339,9 @@ def verdict(reports: Sequence[StepReport]) -> str:
 
     "Furthest" is measured in time: the seconds a phase spends above its floor (all of them when it
     has none). A fraction alone would blame a phase of a few milliseconds that no speed-up could pay
-    for; the line still gives the phase's share of the step and its fraction of the limit.
+    for; the line still gives the phase's share of the step and its fraction of the limit. Where it names
+    gen and the engine timed its steps, it also says how far its prefill and its decode steps are from
+    their own limits.
     """
     if not reports:
         return "perf: no steps to judge"
@@ -364,7 +366,25 @@ def verdict(reports: Sequence[StepReport]) -> str:
     elif seconds[worst] > 0:
         line += (f" at {floor / seconds[worst]:.0%} of its {bounds[worst]} limit ({floor / steps:.3g} s/step), "
                  f"{above[worst] / steps:.3g} s/step above it")
+    split = _generation_split(reports)
+    if worst == "gen" and split:
+        line += f" ({split})"
     if len(ranked) > 1:
         nxt = ranked[1]
-        line += f"; next: {nxt} ({above[nxt] / steps:.3g} s/step above its limit)"
+        line += f"; next: {nxt} ({above[nxt] / steps:.3g} s/step above its limit"
+        line += f"; {split})" if nxt == "gen" and split else ")"
     return line
+
+
+def _generation_split(reports: Sequence[StepReport]) -> str:
+    """Where the engine timed its steps: the prefill's and the decode steps' fractions of their own limits over the
+    run ('' when neither was timed), so that a verdict naming gen says which part of it is slow."""
+    parts = []
+    for label, floor_of, seconds_of in (
+            ("prefill at {:.0%} of its roofline", lambda r: r.prefill_floor_s, lambda r: r.prefill_s),
+            ("decode steps at {:.0%} of their bandwidth floor", lambda r: r.decode_bandwidth_floor_s,
+             lambda r: r.decode_s)):
+        timed = [r for r in reports if floor_of(r) is not None and seconds_of(r)]
+        if timed:
+            parts.append(label.format(sum(map(floor_of, timed)) / sum(map(seconds_of, timed))))
+    return ", ".join(parts)

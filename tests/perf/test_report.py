@@ -255,6 +255,20 @@ def test_verdict_names_the_phase_with_the_most_time_above_its_limit():
     assert "\n" not in line
 
 
+def test_a_verdict_naming_gen_says_how_far_its_prefill_and_decode_steps_are_from_their_limits():
+    def gen_step(prefill_s, decode_s):
+        return StepReport(10.0, {"gen": PhaseCost(6.0, 0.5, "roofline"), "update_actor": PhaseCost(3.0, 2.4, "compute")},
+                          {}, decode_bandwidth_floor_s=0.3, decode_s=decode_s, prefill_floor_s=0.1, prefill_s=prefill_s)
+    line = verdict([gen_step(0.2, 0.6), gen_step(0.2, 0.4)])  # over the run: 0.2 / 0.4 and 0.6 / 1.0
+    assert "above it (prefill at 50% of its roofline, decode steps at 60% of their bandwidth floor); next: " in line
+    # named second, the split goes with it; not timed, nothing is said
+    slow_update = [StepReport(10.0, {"gen": PhaseCost(3.0, 2.5, "roofline"), "update_actor": PhaseCost(6.0, 1.0, "compute")},
+                              {}, decode_bandwidth_floor_s=0.3, decode_s=0.6)]
+    assert verdict(slow_update).endswith("; next: gen (0.5 s/step above its limit; decode steps at 50% of their "
+                                         "bandwidth floor)")
+    assert verdict([report(10.0, gen=PhaseCost(6.0, 0.5, "roofline"))]).endswith("5.5 s/step above it")
+
+
 def test_verdict_weighs_time_not_fractions():
     # update_actor is at 10% of its limit but only 10 ms; gen at 50% costs 4 s above its floor.
     steps = [report(9.0, update_actor=PhaseCost(0.01, 0.001, "compute"), gen=PhaseCost(8.0, 4.0, "roofline"),
