@@ -5,7 +5,8 @@ With tensor parallelism t > 1 every rank builds its own in-process vLLM engine w
 consecutive ranks from RANK / WORLD_SIZE. The ranks of a group run each engine step together, so they
 must be fed the same requests: the same prompts and the same sampling seed. They then return the same
 samples, and the driver keeps the first rank's copy only, so each prompt's n samples arrive once.
-With t = 1 every rank is its own group (data-parallel rollout).
+With t = 1 every rank is its own group (data-parallel rollout). :func:`rollout_tp` says t for a rollout config
+(the worker layout and the phase-limit floors both read it).
 
     layout = RolloutLayout(world_size=4, tp=2)         # groups {0, 1} and {2, 3}
     per_rank = layout.per_rank_inputs(ids, mask, sampling)   # ranks 0, 1 get half 0; ranks 2, 3 half 1
