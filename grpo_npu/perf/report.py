@@ -173,7 +173,7 @@ class StepReport:
 # Floors
 # ------------------------------------------------------------------------------------------------
 def _engine_generation(shape: ModelShape, prompts: Sequence[int], responses: Sequence[int], n: int,
-                     peak: float, bandwidth: float, dtype: str) -> tuple[float, float, float, float]:
+                       peak: float, bandwidth: float, dtype: str) -> tuple[float, float, float, float]:
     """(roofline, bandwidth-only, the decode steps' bandwidth-only, the prefill's roofline) seconds for one engine
     generating these rows together, on devices of this ``peak`` and ``bandwidth`` together."""
     if not prompts:
@@ -317,7 +317,7 @@ def step_report(seconds: Mapping[str, float], workload: StepWorkload, spec: Devi
             roofline, gen_bandwidth, decode_floor, prefill = _generation_floors(w, spec)
             phases[name] = PhaseCost(t, roofline, "roofline")
         elif name == "sync":
-            # read (compute dtype) + write (engine dtype), on every rank
+            # read (compute dtype) + write (engine dtype) of each rank's shard of its engine's weights
             copy_bytes = w.actor.params * (DTYPE_BYTES[w.dtype] + DTYPE_BYTES[w.rollout_dtype]) / w.rollout_tp
             copies = w.world_size if spec.ranks_share_device else 1
             phases[name] = PhaseCost(t, copies * copy_bytes / spec.bandwidth, "copy")
