@@ -105,7 +105,7 @@ class StepLimits:
         if not self.enabled:
             return {}
         arr, critic = self.cfg.actor_rollout_ref, self.cfg.critic
-        epochs, critic_epochs = arr.actor.ppo_epochs, critic.ppo_epochs or arr.actor.ppo_epochs
+        epochs, critic_epochs = arr.actor.ppo_epochs, self.derived.critic_ppo_epochs
         phases = {k: float(v) for k, v in seconds.items() if k in STEP_PHASES}
         sync = min(float(metrics.get(SYNC_METRIC, 0.0)), phases.get("gen", 0.0))
         if "gen" in phases and arr.rollout.name == "vllm":  # the transformers rollout runs the actor itself: no copy

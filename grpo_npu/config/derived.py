@@ -32,6 +32,7 @@ class Derived:
     ref_log_prob_micro_batch_per_rank: int | None
     critic_mini_batch_responses_per_rank: int
     critic_micro_batch_per_rank: int | None
+    critic_ppo_epochs: int  # critic.ppo_epochs, else the actor's
     prompt_length: int
     response_length: int
     clip_low: float
@@ -129,6 +130,7 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
         ref_log_prob_micro_batch_per_rank=ref_micro or lp_micro or micro,
         critic_mini_batch_responses_per_rank=critic_mini // ws,
         critic_micro_batch_per_rank=critic_micro,
+        critic_ppo_epochs=critic.ppo_epochs or actor.ppo_epochs,
         prompt_length=rollout.prompt_length or d.max_prompt_length,
         response_length=rollout.response_length or d.max_response_length,
         clip_low=clip_low, clip_high=clip_high,

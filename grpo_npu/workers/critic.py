@@ -36,14 +36,14 @@ class Critic:
     """Sharded value model + its update loop: ``compute_values`` and ``update``."""
 
     def __init__(self, module: ValueHead, dev: Device, cfg: CriticConfig, derived: Derived, *,
-                 default_agg_mode: str, default_epochs: int, default_dynamic_bsz: bool, total_steps: int, seed: int):
+                 default_agg_mode: str, default_dynamic_bsz: bool, total_steps: int, seed: int):
         self.module = module
         self.dev = dev
         self.cfg = cfg
         self.derived = derived
         self.remove_padding = cfg.model.use_remove_padding
         self.agg_mode = cfg.loss_agg_mode or default_agg_mode
-        self.epochs = cfg.ppo_epochs or default_epochs
+        self.epochs = derived.critic_ppo_epochs
         self.dynamic_bsz = cfg.use_dynamic_bsz if cfg.use_dynamic_bsz is not None else default_dynamic_bsz
         self.param_offload = cfg.model.fsdp_config.param_offload
         self.loop = UpdateLoop(
