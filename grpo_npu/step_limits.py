@@ -23,14 +23,16 @@ from transformers import AutoConfig
 
 from grpo_npu.config import Derived, derive
 from grpo_npu.device import Device
+from grpo_npu.perf.advice import Passes, passes_advice
 from grpo_npu.perf.flops import ModelShape, dtype_name
 from grpo_npu.perf.hardware import cpu_bandwidth_probe, cpu_device_spec, cpu_probe_seconds, device_spec
 from grpo_npu.perf.memory import MemoryInputs, memory_table, over_capacity, plan_memory, plan_metrics
-from grpo_npu.perf.report import StepReport, StepWorkload, step_report, verdict
+from grpo_npu.perf.report import StepReport, StepWorkload, ranked_phases, step_report, verdict
 from grpo_npu.rollout.layout import rollout_tp
 from grpo_npu.rollout.vllm_cpu_steps import DECODE_S, PREFILL_S, PREFILL_STEPS
 from grpo_npu.rollout.vllm_settings import CPU_KV_CACHE_BYTES
 from grpo_npu.run_control import Timer
+from grpo_npu.workers.micro_batch import token_budget_groups
 from grpo_npu.workers.response_model import (actor_fsdp_wrap_on, actor_reshard_after_forward, compute_dtype_of,
                                              engine_dtype_of)
 
@@ -46,6 +48,7 @@ SYNC_METRIC = "rollout/weight_sync_s"  # the part of "gen" spent loading the act
 # The part of "gen" the weight-sync canary took on the steps it ran (rollout.sync_check: by default the first two):
 # a phase of its own, so that those steps' generation is held to its floor without it.
 SYNC_CHECK_METRIC = "rollout/sync_check_s"
+PEAK_METRIC = "perf/max_memory_allocated_gb"  # the step's peak device memory (averaged over ranks), GiB
 BASIS_PREFIX = "perf: floors against "  # the start-of-run line naming the peaks and bandwidth the floors use
 
 
@@ -68,7 +71,10 @@ class StepLimits:
         self.dtype = compute_dtype_of(arr.model, arr.actor.fsdp_config, dev)
         self.rollout_dtype = engine_dtype_of(arr, dev)
         self.measured = dev.kind == "cpu"  # the spec's bandwidth is a measurement, worth renewing (probe)
-        self.device_kind = dev.kind
+        self.device_kind, self.accelerator = dev.kind, dev.is_accelerator
+        self.capacity_gb = dev.total_memory() / 2**30
+        self.peak_gb: float | None = None
+        self.lengths: list[int] = []  # the last step's rows' tokens (prompt + response), generation order
         self.steps_s = self.probes_s = self.last_probe_s = 0.0
         if self.measured:  # the bandwidth measured now, after the engine's build; what a probe costs from then
             bandwidth = cpu_bandwidth_probe()  # on (the first one pays for paging its buffers in), which step 1 may
@@ -130,6 +136,9 @@ class StepLimits:
         result = step_report(phases, workload, self.spec, decode_s=metrics.get(DECODE_S) if one_prefill else None,
                              prefill_s=metrics.get(PREFILL_S) if one_prefill else None)
         self.reports.append(result)
+        self.lengths = [p + r for p, r in zip(prompt_lengths, response_lengths)]
+        if PEAK_METRIC in metrics:
+            self.peak_gb = max(self.peak_gb or 0.0, float(metrics[PEAK_METRIC]))
         self.steps_s += phases["step"]
         bandwidth = {BANDWIDTH_METRIC: self.spec.bandwidth / 1e9} if self.spec is not None else {}
         return {**result.metrics(), **bandwidth, **self.memory}
@@ -149,6 +158,52 @@ class StepLimits:
     def verdict(self) -> str:
         """One line: the phase furthest from its limit over the run (see ``perf.report.verdict``)."""
         return verdict(self.reports) if self.enabled else "perf: no phase limits for this model"
+
+    def advice(self) -> str:
+        """One line of what to try for the verdict's phase, or '' (see :mod:`grpo_npu.perf.advice`)."""
+        if not (self.enabled and self.reports):
+            return ""
+        return passes_advice(ranked_phases(self.reports), phase_passes(self.cfg, self.derived, self.lengths),
+                             accelerator=self.accelerator, peak_gb=self.peak_gb, capacity_gb=self.capacity_gb)
+
+
+def phase_passes(cfg, d: Derived, lengths: Sequence[int]) -> dict[str, Passes]:
+    """How each model-pass phase splits a rank's rows into passes (as the workers plan them: fixed row counts, or
+    token budgets over the first rank's share of ``lengths``), with the key that sets a pass's size."""
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    rank_rows = d.train_batch_responses // d.world_size
+    # phase: (rows per batch, fixed rows per pass and its key, dynamic?, token budget and its key, the switch to it)
+    phases = {
+        "update_actor": (d.mini_batch_responses_per_rank, d.micro_batch_per_rank,
+                         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", arr.actor.use_dynamic_bsz,
+                         arr.actor.ppo_max_token_len_per_gpu, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                         "actor_rollout_ref.actor.use_dynamic_bsz=True"),
+        "old_log_prob": (rank_rows, d.log_prob_micro_batch_per_rank,
+                         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", d.log_prob_use_dynamic_bsz,
+                         d.log_prob_max_token_len, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True"),
+        "ref": (rank_rows, d.ref_log_prob_micro_batch_per_rank,
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", d.ref_log_prob_use_dynamic_bsz,
+                d.ref_log_prob_max_token_len, "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True"),
+        "update_critic": (d.critic_mini_batch_responses_per_rank, d.critic_micro_batch_per_rank,
+                          "critic.ppo_micro_batch_size_per_gpu", d.critic_use_dynamic_bsz,
+                          critic.ppo_max_token_len_per_gpu, "critic.ppo_max_token_len_per_gpu",
+                          "critic.use_dynamic_bsz=True"),
+        "values": (rank_rows, d.values_micro_batch_per_rank, "critic.forward_micro_batch_size_per_gpu",
+                   d.critic_use_dynamic_bsz, d.values_max_token_len, "critic.forward_max_token_len_per_gpu",
+                   "critic.use_dynamic_bsz=True"),
+    }
+    out = {}
+    for phase, (rows, micro, micro_key, dynamic, budget, budget_key, switch) in phases.items():
+        if dynamic:
+            batch = lengths[:rows]
+            if not batch or max(batch) > budget:  # no step seen, or a row over the budget (the worker refuses it)
+                continue
+            out[phase] = Passes(rows, len(token_budget_groups(batch, budget)), budget_key, budget, packed=True)
+        elif micro:
+            out[phase] = Passes(rows, -(-rows // micro), micro_key, micro, alternative=switch)
+    return out
 
 
 def log_prob_rows(d: Derived, length: int) -> int:

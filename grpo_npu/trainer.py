@@ -436,7 +436,8 @@ class Trainer:
 
     def close(self) -> None:
         if self.limits.reports:
-            log.info(self.limits.verdict())
+            for line in filter(None, (self.limits.verdict(), self.limits.advice())):  # advice: '' when there is none
+                log.info(line)
         for closer in (self.tracker.close, self.reward_fn.close, self.val_reward_fn.close, self.workers.close,
                        lambda: detach(self.run_log), self.lock.release):
             try:

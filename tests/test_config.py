@@ -272,6 +272,18 @@ def test_log_prob_passes_without_a_micro_batch_size_pack_to_their_token_budget(k
     assert log_prob_rows(d, 100) == want
 
 
+@pytest.mark.parametrize("keys, dynamic, values_micro, values_budget", [
+    ((), False, 2, 16384),  # the critic's update micro-batch (the actor's here) and its update budget
+    (("critic.forward_micro_batch_size_per_gpu=8", "critic.forward_max_token_len_per_gpu=900"), False, 8, 900),
+    (("actor_rollout_ref.actor.use_dynamic_bsz=True",), True, 2, 16384),  # verl: the critic follows the actor's
+    (("actor_rollout_ref.actor.use_dynamic_bsz=True", "critic.use_dynamic_bsz=False"), False, 2, 16384),
+])
+def test_the_critics_passes_are_resolved_once(keys, dynamic, values_micro, values_budget):
+    d = derive(load_config(BASE + ["algorithm.adv_estimator=gae", "critic.ppo_max_token_len_per_gpu=16384", *keys]))
+    assert (d.critic_use_dynamic_bsz, d.values_micro_batch_per_rank, d.values_max_token_len) == (
+        dynamic, values_micro, values_budget)
+
+
 def test_derived_values_are_not_written_back():
     cfg = load_config(BASE[:1] + BASE[2:] + ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.clip_ratio_high=0.28"])
     d = derive(cfg)

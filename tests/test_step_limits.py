@@ -174,3 +174,44 @@ def test_the_update_floor_counts_the_optimizer_steps_the_update_takes(tiny_model
     reads = steps * limits.actor.params * 5 * 4 / limits.spec.bandwidth if device_kind == "cpu" else None
     if reads is not None:  # 5 fp32 reads per parameter and step, at the measured bandwidth
         assert counted["perf/floor_s/update_actor"] - flops_only["perf/floor_s/update_actor"] == pytest.approx(reads)
+
+
+@pytest.mark.parametrize("keys, want", [
+    # fixed micro-batches: 8 responses per rank; the update's mini-batch 2 prompts x n=2 = 4 rows in passes of 1
+    ([], {"update_actor": (4, 4, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 1),
+          "ref": (8, 3, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", 3)}),  # the rollout's 3: 3+3+2
+    # token budgets: rows of 8-14 tokens, 20 to a pass (the workers' packing: balanced groups within the budget)
+    (["actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20"],
+     {"update_actor": (4, 3, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", 20),
+      "ref": (8, 5, "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", 20)}),
+    # the critic's value forward: its own micro-batch size, else its update's
+    (["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=2", "critic.forward_micro_batch_size_per_gpu=8"],
+     {"update_critic": (4, 2, "critic.ppo_micro_batch_size_per_gpu", 2),
+      "values": (8, 1, "critic.forward_micro_batch_size_per_gpu", 8)}),
+])
+def test_each_model_pass_phase_knows_its_passes_and_the_key_that_sizes_them(tiny_model_path, keys, want):
+    from grpo_npu.step_limits import phase_passes
+
+    cfg = load_config(BASE + ["data.train_batch_size=4", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3",
+                              f"actor_rollout_ref.model.path={tiny_model_path}", *keys])
+    limits = StepLimits(cfg, get_device("cpu"), world_size=1, use_critic="algorithm.adv_estimator=gae" in keys)
+    lengths = [8, 10, 12, 14, 8, 10, 12, 14]
+    passes = phase_passes(cfg, limits.derived, lengths)
+    for phase, (rows, count, key, value) in want.items():
+        got = passes[phase]
+        assert (got.batch_rows, got.passes, got.key, got.value) == (rows, count, key, value), phase
+        assert got.packed == key.endswith("max_token_len_per_gpu")
+
+
+def test_a_run_far_from_its_update_limit_on_an_accelerator_is_told_which_key_to_raise(tiny_model_path):
+    """The advice reads the run: its phases' limits, the step's row lengths and the peak memory of its metrics."""
+    cfg = load_config(BASE + [f"actor_rollout_ref.model.path={tiny_model_path}"])
+    limits = StepLimits(cfg, get_device("cpu"), world_size=1, use_critic=False)
+    slow_update = {"step": 100.0, "gen": 0.01, "update_actor": 99.0}  # far from any floor
+    limits.report(slow_update, {"perf/max_memory_allocated_gb": 3.0}, [5, 5, 7, 7], [3, 4, 2, 6], n=2)
+    assert limits.advice() == ""  # a CPU: passes there are bound by their products
+    limits.accelerator = True
+    line = limits.advice()
+    assert line.startswith("perf: to try: update_actor runs at ")
+    assert "in 4 passes per 4-row batch (actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1 rows per pass)" in line
+    assert f"(peak allocated 3.0 of {limits.capacity_gb:.1f} GiB)" in line

@@ -33,6 +33,9 @@ class Derived:
     critic_mini_batch_responses_per_rank: int
     critic_micro_batch_per_rank: int | None
     critic_ppo_epochs: int  # critic.ppo_epochs, else the actor's
+    critic_use_dynamic_bsz: bool  # critic.use_dynamic_bsz, else the actor's
+    values_micro_batch_per_rank: int | None  # the critic's value forward: critic.forward_micro_batch_size_per_gpu, else its update's
+    values_max_token_len: int  # ... and its token budget: critic.forward_max_token_len_per_gpu, else its update's
     prompt_length: int
     response_length: int
     clip_low: float
@@ -99,10 +102,10 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
     critic_mini = (critic.ppo_mini_batch_size or actor.ppo_mini_batch_size) * n
     critic_micro = per_rank_micro("critic.ppo_micro_batch_size", critic.ppo_micro_batch_size,
                                   critic.ppo_micro_batch_size_per_gpu) or micro
+    critic_dyn = critic.use_dynamic_bsz if critic.use_dynamic_bsz is not None else actor.use_dynamic_bsz
     if use_critic:
         require(critic_mini % ws == 0, f"critic.ppo_mini_batch_size x rollout.n = {critic_mini} responses cannot be "
                 f"split evenly over {ws} ranks")
-        critic_dyn = critic.use_dynamic_bsz if critic.use_dynamic_bsz is not None else actor.use_dynamic_bsz
         if not critic_dyn:
             require(critic_micro is not None and (critic_mini // ws) % critic_micro == 0,
                     f"per-rank critic mini-batch {critic_mini // ws} is not a multiple of "
@@ -131,6 +134,9 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
         critic_mini_batch_responses_per_rank=critic_mini // ws,
         critic_micro_batch_per_rank=critic_micro,
         critic_ppo_epochs=critic.ppo_epochs or actor.ppo_epochs,
+        critic_use_dynamic_bsz=critic_dyn,
+        values_micro_batch_per_rank=critic.forward_micro_batch_size_per_gpu or critic_micro,
+        values_max_token_len=critic.forward_max_token_len_per_gpu or critic.ppo_max_token_len_per_gpu,
         prompt_length=rollout.prompt_length or d.max_prompt_length,
         response_length=rollout.response_length or d.max_response_length,
         clip_low=clip_low, clip_high=clip_high,

@@ -4,6 +4,7 @@
     hardware  DeviceSpec table (Ascend 910B1-B4, H100, H200, A100) and the measured CPU
     report    StepWorkload + step_report -> perf/mfu/*, perf/limit_frac/*, perf/share/*; verdict
     memory    plan_memory: each phase's estimated peak memory per rank (table, warnings, perf/mem_estimate_gb/*)
+    advice    passes_advice: the key to try when the verdict's phase is a model pass far from its limit
 """
 
 from grpo_npu.perf.flops import Flops, ModelShape, decode_flops, forward_flops, train_flops

@@ -334,6 +334,36 @@ def step_report(seconds: Mapping[str, float], workload: StepWorkload, spec: Devi
 # ------------------------------------------------------------------------------------------------
 # Verdict
 # ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PhaseTotal:
+    """One phase summed over a run's steps."""
+
+    name: str
+    seconds: float
+    floor_s: float | None  # None: no modelled floor in at least one step
+    bound: str
+
+    @property
+    def above_s(self) -> float:
+        """Seconds above the floor (all of them without one): what a faster phase could save."""
+        return self.seconds - (self.floor_s or 0.0)
+
+
+def ranked_phases(reports: Sequence[StepReport]) -> list[PhaseTotal]:
+    """Every phase over the run, the most seconds above its floor first (the verdict's order)."""
+    seconds: dict[str, float] = {}
+    floors: dict[str, float | None] = {}
+    bounds: dict[str, str] = {}
+    for report in reports:
+        for name, cost in report.phases.items():
+            seconds[name] = seconds.get(name, 0.0) + cost.seconds
+            known = floors.get(name, 0.0)
+            floors[name] = None if known is None or cost.floor_s is None else known + cost.floor_s
+            bounds[name] = cost.bound
+    totals = [PhaseTotal(name, seconds[name], floors[name], bounds[name]) for name in seconds]
+    return sorted(totals, key=lambda t: t.above_s, reverse=True)
+
+
 def verdict(reports: Sequence[StepReport]) -> str:
     """One line for the end of a run: the phase furthest from its limit over all steps.
 
@@ -345,34 +375,23 @@ def verdict(reports: Sequence[StepReport]) -> str:
     """
     if not reports:
         return "perf: no steps to judge"
-    seconds: dict[str, float] = {}
-    floors: dict[str, float | None] = {}
-    bounds: dict[str, str] = {}
-    for report in reports:
-        for name, cost in report.phases.items():
-            seconds[name] = seconds.get(name, 0.0) + cost.seconds
-            known = floors.get(name, 0.0)
-            floors[name] = None if known is None or cost.floor_s is None else known + cost.floor_s
-            bounds[name] = cost.bound
     steps, step_total = len(reports), sum(r.step_s for r in reports)
-    above = {name: seconds[name] - (floors[name] or 0.0) for name in seconds}
-    ranked = sorted(above, key=above.__getitem__, reverse=True)
+    ranked = ranked_phases(reports)
     worst = ranked[0]
-    line = (f"perf: slowest against its limit: {worst}, {seconds[worst] / step_total:.0%} of step time "
-            f"({seconds[worst] / steps:.3g} s/step)")
-    floor = floors[worst]
-    if floor is None:
+    line = (f"perf: slowest against its limit: {worst.name}, {worst.seconds / step_total:.0%} of step time "
+            f"({worst.seconds / steps:.3g} s/step)")
+    if worst.floor_s is None:
         line += ", no physical floor modelled (host-side work or waiting)"
-    elif seconds[worst] > 0:
-        line += (f" at {floor / seconds[worst]:.0%} of its {bounds[worst]} limit ({floor / steps:.3g} s/step), "
-                 f"{above[worst] / steps:.3g} s/step above it")
+    elif worst.seconds > 0:
+        line += (f" at {worst.floor_s / worst.seconds:.0%} of its {worst.bound} limit ({worst.floor_s / steps:.3g} "
+                 f"s/step), {worst.above_s / steps:.3g} s/step above it")
     split = _generation_split(reports)
-    if worst == "gen" and split:
+    if worst.name == "gen" and split:
         line += f" ({split})"
     if len(ranked) > 1:
         nxt = ranked[1]
-        line += f"; next: {nxt} ({above[nxt] / steps:.3g} s/step above its limit"
-        line += f"; {split})" if nxt == "gen" and split else ")"
+        line += f"; next: {nxt.name} ({nxt.above_s / steps:.3g} s/step above its limit"
+        line += f"; {split})" if nxt.name == "gen" and split else ")"
     return line
 
 

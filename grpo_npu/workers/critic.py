@@ -36,7 +36,7 @@ class Critic:
     """Sharded value model + its update loop: ``compute_values`` and ``update``."""
 
     def __init__(self, module: ValueHead, dev: Device, cfg: CriticConfig, derived: Derived, *,
-                 default_agg_mode: str, default_dynamic_bsz: bool, total_steps: int, seed: int):
+                 default_agg_mode: str, total_steps: int, seed: int):
         self.module = module
         self.dev = dev
         self.cfg = cfg
@@ -44,7 +44,7 @@ class Critic:
         self.remove_padding = cfg.model.use_remove_padding
         self.agg_mode = cfg.loss_agg_mode or default_agg_mode
         self.epochs = derived.critic_ppo_epochs
-        self.dynamic_bsz = cfg.use_dynamic_bsz if cfg.use_dynamic_bsz is not None else default_dynamic_bsz
+        self.dynamic_bsz = derived.critic_use_dynamic_bsz
         self.param_offload = cfg.model.fsdp_config.param_offload
         self.loop = UpdateLoop(
             module, dev, cfg.optim, cfg.model.fsdp_config, grad_clip=cfg.grad_clip, total_steps=total_steps,
@@ -60,13 +60,12 @@ class Critic:
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """(B, T) float32 values of this rank's rows, on the host. Collective."""
-        cfg = self.cfg
         self.module.eval()
-        size = cfg.forward_micro_batch_size_per_gpu or self.derived.critic_micro_batch_per_rank
-        budget = cfg.forward_max_token_len_per_gpu or cfg.ppo_max_token_len_per_gpu
+        d = self.derived
         with params_on(self.module, self.dev, self.param_offload):
-            (values,) = forward_in_micro_batches(self.forward, batch, size=size,
-                                                 max_tokens=budget if self.dynamic_bsz else None, dev=self.dev)
+            (values,) = forward_in_micro_batches(self.forward, batch, size=d.values_micro_batch_per_rank,
+                                                 max_tokens=d.values_max_token_len if self.dynamic_bsz else None,
+                                                 dev=self.dev)
             fsdp.reshard_all(self.module)
         return values
 

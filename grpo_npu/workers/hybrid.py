@@ -139,7 +139,6 @@ class HybridWorker:
                 compile_layers=compiled,
             )
             self.critic = Critic(critic_module, dev, cfg.critic, d, default_agg_mode=arr.actor.loss_agg_mode,
-                                 default_dynamic_bsz=arr.actor.use_dynamic_bsz,
                                  total_steps=total_steps, seed=cfg.trainer.seed)
         if self.with_rollout:
             self._build_rollout()
