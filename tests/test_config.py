@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import re
 import shlex
 
 import pytest
@@ -178,6 +179,27 @@ def test_command_line_forms(tmp_path, capsys):
     assert cfg is None and "actor_rollout_ref.actor.kl_loss_type" in out and "KL estimator of the KL loss" in out
     with pytest.raises(ConfigError, match=r"unknown option '--bogus'"):
         C.split_argv(["--bogus"])
+
+
+def test_help_says_which_values_a_kept_key_is_limited_to():
+    """A key grpo_npu keeps for verl's command lines at some values only says so in --help, with the feature other
+    values would need; a key it acts on fully, or at every value, says nothing of the kind."""
+    from grpo_npu.config.keys import iter_keys
+    from grpo_npu.config.support import refused_schema_keys
+
+    text = C.help_text()
+
+    def entry(key: str) -> str:
+        return re.split(r"\n(?=  \S)|\n\n", text.split(f"\n  {key} (", 1)[1], maxsplit=1)[0]  # to the next key
+
+    assert entry("actor_rollout_ref.actor.use_torch_compile").endswith(
+        "Only False here; other values are refused (not in grpo_npu: torch.compile of the log-prob computation).")
+    assert "Only 1 here; other values are refused (not in grpo_npu: sequence parallelism (Ulysses))" in entry(
+        "critic.ulysses_sequence_parallel_size")
+    assert "refused" not in entry("data.shuffle")
+    limited = refused_schema_keys(tuple(spec.key for spec in iter_keys()))
+    assert len(limited) == 25 and text.count("other values are refused") == len(limited)  # each such key, once
+    assert all("other values are refused" in entry(key) for key in limited)
 
 
 def test_free_form_dicts_need_plus():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from grpo_npu.config.keys import iter_keys
 from grpo_npu.config.loading import load_config, to_yaml
 from grpo_npu.config.schema import Config
-from grpo_npu.config.support import builtin_config, is_builtin_config
+from grpo_npu.config.support import builtin_config, is_builtin_config, limit_note
 from grpo_npu.errors import ConfigError
 
 # Options naming the YAML file: ours, and hydra's folder + name (either spelling)
@@ -71,7 +71,8 @@ def split_argv(argv: list[str]) -> CommandLine:
 
 
 def help_text() -> str:
-    """Every key with its type, accepted values, default and docstring, grouped by section."""
+    """Every key with its type, accepted values, default and docstring, grouped by section; a key grpo_npu
+    keeps for verl's command lines at some values only says which."""
     lines = [
         "usage: python -m grpo_npu.main_ppo [--config FILE.yaml] [--cfg] [key=value ...] [+key=value ...]",
         "",
@@ -86,8 +87,7 @@ def help_text() -> str:
         default = spec.default
         choices = f" {{{'|'.join(map(str, spec.choices))}}}" if spec.choices else ""
         lines.append(f"  {spec.key} ({spec.type}{choices}) = {default!r}")
-        if spec.doc:
-            lines.append(f"      {spec.doc}")
+        lines += [f"      {text}" for text in (spec.doc, limit_note(spec.key)) if text]
     return "\n".join(lines)
 
 

@@ -297,12 +297,23 @@ def accepted_values(key: str, loaded: dict) -> tuple:
     return (default,) if known else ()
 
 
+def _shown(values: tuple) -> str:
+    return ", ".join("null" if v is None else str(v) for v in values) or "none (leave it unset)"
+
+
 def refusal(key: str, raw: str, accepted: tuple) -> ConfigError:
     """The one-line refusal of ``key=raw``, naming its feature and what is supported."""
     rule = rule_for(key)
     feature = f" ({rule.feature})" if rule is not None and rule.feature else ""
-    shown = ", ".join("null" if v is None else str(v) for v in accepted) or "none (leave it unset)"
-    return ConfigError(f"not supported by grpo_npu: {key}={raw}{feature}; supported values: {shown}")
+    return ConfigError(f"not supported by grpo_npu: {key}={raw}{feature}; supported values: {_shown(accepted)}")
+
+
+def limit_note(key: str) -> str:
+    """For ``--help``: the values a schema key is limited to and the feature other values need ('' when none)."""
+    rule = rule_for(key)
+    if rule is None or rule.action != REFUSE or rule.accepted is None or not rule.feature:
+        return ""
+    return f"Only {_shown(rule.accepted)} here; other values are refused (not in grpo_npu: {rule.feature})."
 
 
 def check_verl_value(key: str, raw: str, loaded: dict) -> None:
