@@ -197,6 +197,12 @@ def test_help_says_which_values_a_kept_key_is_limited_to():
     assert "Only 1 here; other values are refused (not in grpo_npu: sequence parallelism (Ulysses))" in entry(
         "critic.ulysses_sequence_parallel_size")
     assert "refused" not in entry("data.shuffle")
+    assert entry("data.return_raw_chat").endswith("Every value runs the same here: verl keeps the messages for rollouts "
+                                                  "that template them themselves (its agent loop); grpo_npu's single-turn "
+                                                  "rollout generates from the prompt as the dataset templates it, the same "
+                                                  "tokens.")
+    for value in ("True", "False"):  # verl's examples set it for their agent loop: accepted either way
+        load_config(BASE + [f"data.return_raw_chat={value}", f"actor_rollout_ref.rollout.layered_summon={value}"])
     limited = refused_schema_keys(tuple(spec.key for spec in iter_keys()))
     assert len(limited) == 25 and text.count("other values are refused") == len(limited)  # each such key, once
     assert all("other values are refused" in entry(key) for key in limited)

@@ -51,7 +51,7 @@ class DataConfig:
     return_raw_input_ids: bool = False
     """Kept for verl compatibility (a reward model with another tokenizer); unused without one."""
     return_raw_chat: bool = False
-    """Keep the raw chat messages with each prompt (for chat-aware rollouts)."""
+    """Keep each prompt's chat messages for rollouts that template them themselves (verl's agent loop)."""
     return_full_prompt: bool = False
     """Keep the templated prompt text with each prompt."""
     shuffle: bool = True

@@ -9,6 +9,7 @@ One table, :data:`RULES`, read top to bottom, first match wins (``fnmatch`` patt
   value, the feature and the supported values. A schema key listed here is one grpo_npu keeps for verl's
   command lines without acting on any other value (``tests/test_config_fields.py`` holds every schema key
   read nowhere to such a row).
+- ``SAME``: the values in ``accepted`` all run the same in grpo_npu (``feature`` says why); others are refused.
 - A verl key no rule matches is accepted at verl's default and refused otherwise (``GENERIC``).
 
 A feature that lands flips its rows (e.g. ``algorithm.rollout_correction.*``) from ``REFUSE`` to schema
@@ -28,7 +29,7 @@ import yaml
 from grpo_npu.config.verl_keys import MISSING, config_defaults, interpolation, is_verl_key, verl_keys
 from grpo_npu.errors import ConfigError
 
-ALIAS, REFUSE = "alias", "refuse"
+ALIAS, REFUSE, SAME = "alias", "refuse", "same"
 
 # The features grpo_npu does not have, named once: a refusal says which one a key belongs to.
 MEGATRON = "the Megatron backend; grpo_npu trains with FSDP2"
@@ -101,6 +102,9 @@ RULES: tuple[Rule, ...] = tuple([
     *_refuse("scoring in the background", "reward_model.launch_reward_fn_async", accepted=(False,)),
     *_refuse("a critic checkpoint retention of its own (the critic is saved in the same checkpoint: "
              "trainer.max_actor_ckpt_to_keep)", "trainer.max_critic_ckpt_to_keep", accepted=(None,)),
+    Rule("data.return_raw_chat", SAME,
+         "verl keeps the messages for rollouts that template them themselves (its agent loop); grpo_npu's single-turn "
+         "rollout generates from the prompt as the dataset templates it, the same tokens", (False, True)),
     *_refuse("keeping the templated prompt text", "data.return_full_prompt", accepted=(False,)),
     *_refuse("raw input ids for a reward model with its own tokenizer", "data.return_raw_input_ids", accepted=(False,)),
     *_refuse("data-loader worker processes (prompts are tokenized up front)", "data.dataloader_num_workers",
@@ -130,9 +134,9 @@ RULES: tuple[Rule, ...] = tuple([
              "recomputes them)", "algorithm.rollout_correction.bypass_mode", accepted=(False,)),
     *_refuse("a bypass-mode loss other than ppo_clip", "algorithm.rollout_correction.loss_type", accepted=("ppo_clip",)),
     *_refuse(ROLLOUT_CORRECTION, "algorithm.rollout_correction.*"),
-    # verl's layered_summon gathers FSDP weights one layer at a time for a LoRA sync; grpo_npu's sync
-    # always gathers one tensor at a time (workers/fsdp.py::iter_full_state_dict), so either value holds.
-    *_refuse("", "actor_rollout_ref.rollout.layered_summon", accepted=(False, True)),
+    Rule("actor_rollout_ref.rollout.layered_summon", SAME,
+         "verl gathers the FSDP weights one layer at a time for a LoRA sync when it is on; grpo_npu's sync always "
+         "gathers one tensor at a time, workers/fsdp.py::iter_full_state_dict", (False, True)),
     *_refuse("starting from a saved LoRA adapter", "actor_rollout_ref.model.lora_adapter_path", accepted=(None,)),
     *_refuse("the Megatron engine's LoRA block (FSDP LoRA: actor_rollout_ref.model.lora_rank / lora_alpha / "
              "target_modules; of the block only lora.merge is grpo_npu's)", "actor_rollout_ref.model.lora.*"),
@@ -309,8 +313,11 @@ def refusal(key: str, raw: str, accepted: tuple) -> ConfigError:
 
 
 def limit_note(key: str) -> str:
-    """For ``--help``: the values a schema key is limited to and the feature other values need ('' when none)."""
+    """For ``--help``: the values a schema key is limited to and the feature other values need, or why every value
+    runs the same ('' when neither)."""
     rule = rule_for(key)
+    if rule is not None and rule.action == SAME:
+        return f"Every value runs the same here: {rule.feature}."
     if rule is None or rule.action != REFUSE or rule.accepted is None or not rule.feature:
         return ""
     return f"Only {_shown(rule.accepted)} here; other values are refused (not in grpo_npu: {rule.feature})."

@@ -40,8 +40,6 @@ class PromptItem:
     attention_mask: torch.Tensor  # (L,) long, 0 on the left padding
     position_ids: torch.Tensor  # (L,) long, 0 on the padding, then 0, 1, 2, ...
     raw_prompt_ids: list[int]  # the unpadded (possibly truncated) prompt, for the rollout engine
-    raw_prompt: list[dict] | None  # the chat messages, when return_raw_chat
-    full_prompt: str | None  # the templated prompt text, when return_full_prompt
     data_source: str
     ground_truth: Any  # reward_model.ground_truth, None when the data has no reward_model
     extra_info: dict
@@ -56,8 +54,6 @@ class PromptBatch:
     attention_mask: torch.Tensor  # (B, L)
     position_ids: torch.Tensor  # (B, L)
     raw_prompt_ids: list[list[int]]
-    raw_prompts: list[list[dict]] | None
-    full_prompts: list[str] | None
     data_sources: list[str]
     ground_truths: list[Any]
     extra_infos: list[dict]
@@ -142,8 +138,6 @@ class RLDataset:
         max_prompt_length: int = 512,
         truncation: str = "error",
         filter_overlong_prompts: bool = True,
-        return_raw_chat: bool = False,
-        return_full_prompt: bool = False,
         reward_fn_key: str = "data_source",
         apply_chat_template_kwargs: dict | None = None,
         media_columns: Sequence[str] = (),
@@ -160,8 +154,6 @@ class RLDataset:
         self.prompt_key = prompt_key
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
-        self.return_raw_chat = return_raw_chat
-        self.return_full_prompt = return_full_prompt
         self.reward_fn_key = reward_fn_key
         self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})
         self.media_columns = tuple(media_columns)
@@ -169,7 +161,7 @@ class RLDataset:
 
         rows, origins = self._read_rows()
         messages = [_check_chat(row[prompt_key], where, prompt_key) for row, where in zip(rows, origins)]
-        texts, token_ids = self._tokenize(messages)
+        token_ids = self._tokenize(messages)
 
         lengths = np.array([len(ids) for ids in token_ids])
         overlong = np.flatnonzero(lengths > max_prompt_length)
@@ -198,8 +190,6 @@ class RLDataset:
 
         self._indices = [int(i) for i in keep]
         self._token_ids = [truncate(token_ids[i], max_prompt_length, truncation) for i in keep]
-        self._messages = [messages[i] for i in keep]
-        self._texts = [texts[i] for i in keep] if return_full_prompt else None
         self._data_sources = [rows[i][reward_fn_key] for i in keep]
         self._ground_truths = [(rows[i].get("reward_model") or {}).get("ground_truth") for i in keep]
         self._extra_infos = [rows[i].get("extra_info") or {} for i in keep]
@@ -209,7 +199,6 @@ class RLDataset:
         """The dataset the config's ``data`` section describes (verl's key names)."""
         return cls(files, tokenizer, prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length,
                    truncation=data.truncation, filter_overlong_prompts=data.filter_overlong_prompts,
-                   return_raw_chat=data.return_raw_chat, return_full_prompt=data.return_full_prompt,
                    reward_fn_key=data.reward_fn_key, apply_chat_template_kwargs=dict(data.apply_chat_template_kwargs),
                    media_columns=[VERL_MEDIA_COLUMNS[k] for k in sorted(VERL_MEDIA_COLUMNS)],
                    tokenize_workers=data.filter_overlong_prompts_workers)
@@ -237,7 +226,7 @@ class RLDataset:
             raise ValueError(f"the data files {[str(f) for f in self.files]} hold no rows")
         return rows, origins
 
-    def _tokenize(self, messages: list[list[dict]]) -> tuple[list[str], list[list[int]]]:
+    def _tokenize(self, messages: list[list[dict]]) -> list[list[int]]:
         """Render every conversation with the chat template and tokenize them in one batch."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template; RL prompts are chat lists and need one")
@@ -245,14 +234,14 @@ class RLDataset:
                                                    **self.apply_chat_template_kwargs)
         n = min(self.tokenize_workers, len(texts))
         if n <= 1:
-            return texts, self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+            return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
         # data.filter_overlong_prompts_workers: chunks tokenized on threads (fast tokenizers release the GIL)
         bounds = np.linspace(0, len(texts), n + 1).astype(int)
         chunks = [texts[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
         with ThreadPoolExecutor(n) as pool:
             parts = pool.map(lambda c: self.tokenizer(c, add_special_tokens=False, return_attention_mask=False)["input_ids"],
                              chunks)
-            return texts, [ids for part in parts for ids in part]
+            return [ids for part in parts for ids in part]
 
     def __len__(self) -> int:
         return len(self._token_ids)
@@ -265,8 +254,6 @@ class RLDataset:
             attention_mask=attention_mask,
             position_ids=position_ids,
             raw_prompt_ids=list(ids),
-            raw_prompt=self._messages[i] if self.return_raw_chat else None,
-            full_prompt=self._texts[i] if self._texts is not None else None,
             data_source=self._data_sources[i],
             ground_truth=self._ground_truths[i],
             extra_info=self._extra_infos[i],
@@ -278,15 +265,11 @@ def collate(items: Sequence[PromptItem]) -> PromptBatch:
     """Stack items (already left-padded to the same L) into a PromptBatch."""
     if not items:
         raise ValueError("cannot collate an empty list of prompts")
-    raw = [it.raw_prompt for it in items]
-    full = [it.full_prompt for it in items]
     return PromptBatch(
         input_ids=torch.stack([it.input_ids for it in items]),
         attention_mask=torch.stack([it.attention_mask for it in items]),
         position_ids=torch.stack([it.position_ids for it in items]),
         raw_prompt_ids=[it.raw_prompt_ids for it in items],
-        raw_prompts=None if any(r is None for r in raw) else raw,
-        full_prompts=None if any(f is None for f in full) else full,
         data_sources=[it.data_source for it in items],
         ground_truths=[it.ground_truth for it in items],
         extra_infos=[it.extra_info for it in items],

@@ -44,7 +44,7 @@ def _template_ids(tok, messages) -> list[int]:
 
 def test_chat_template_and_left_padding(tiny_tokenizer, parquet):
     rows = _rows(6)
-    ds = RLDataset(parquet(rows), tiny_tokenizer, max_prompt_length=256, return_raw_chat=True)
+    ds = RLDataset(parquet(rows), tiny_tokenizer, max_prompt_length=256)
     assert len(ds) == 6 and ds.num_filtered == 0
     pad = tiny_tokenizer.pad_token_id
     for i, row in enumerate(rows):
@@ -60,7 +60,6 @@ def test_chat_template_and_left_padding(tiny_tokenizer, parquet):
         text = tiny_tokenizer.decode(item.raw_prompt_ids)
         assert text.startswith("<|im_start|>user\n" + row["prompt"][0]["content"])
         assert text.endswith("<|im_start|>assistant\n")
-        assert item.raw_prompt == row["prompt"]
         assert item.data_source == "openai/gsm8k"
         assert item.ground_truth == str(i)
         assert item.extra_info == row["extra_info"]
@@ -73,7 +72,6 @@ def test_collate_stacks_and_keeps_metadata(tiny_tokenizer, parquet):
     assert batch.input_ids.shape == batch.attention_mask.shape == batch.position_ids.shape == (2, 128)
     assert torch.equal(batch.input_ids[0], ds[2].input_ids)
     assert batch.ground_truths == ["2", "0"] and batch.indices == [2, 0]
-    assert batch.raw_prompts is None  # return_raw_chat=False
     assert batch.data_sources == ["openai/gsm8k"] * 2
     with pytest.raises(ValueError, match="empty"):
         collate([])
@@ -87,12 +85,10 @@ def test_several_files_and_custom_keys(tiny_tokenizer, tmp_path):
     a = write_parquet_atomic(rows[:2], tmp_path / "a.parquet")
     b = write_parquet_atomic(rows[2:], tmp_path / "b.parquet")
     ds = RLDataset([str(a), b], tiny_tokenizer, prompt_key="question_chat", max_prompt_length=256,
-                   reward_fn_key="source", return_full_prompt=True)
+                   reward_fn_key="source")
     assert [ds[i].ground_truth for i in range(len(ds))] == ["0", "1", "2", "3", "4"]
     assert ds[0].data_source == "src-train"
-    assert ds[0].full_prompt == tiny_tokenizer.apply_chat_template(rows[0]["question_chat"], add_generation_prompt=True,
-                                                                   tokenize=False)
-    assert collate([ds[0], ds[1]]).full_prompts == [ds[0].full_prompt, ds[1].full_prompt]
+    assert ds[0].raw_prompt_ids == _template_ids(tiny_tokenizer, rows[0]["question_chat"])
     assert [ds[i].index for i in range(len(ds))] == [0, 1, 2, 3, 4]
 
 
