@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from grpo_npu.device import cpu_has_bf16_dot_products  # noqa: E402
 from grpo_npu.rollout import vllm_cpu_norm  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -37,9 +38,11 @@ def _reference(x, weight, residual=None):
 def test_kernels_give_the_reference_norm_and_sum(ops, dtype, atol, rows):
     torch.manual_seed(rows)
     x, r, w = torch.randn(rows, 96, dtype=dtype), torch.randn(rows, 96, dtype=dtype), torch.randn(96, dtype=dtype)
+    # bf16 goes to the kernels only where the CPU rounds to it as torch does (AVX512-BF16/AMX); native elsewhere
+    provider = vllm_cpu_norm.PROVIDER if dtype in vllm_cpu_norm.kernel_dtypes() else "native"
     with ops.rms_norm.set_priority(PRIORITY), ops.fused_add_rms_norm.set_priority(PRIORITY):
-        assert ops.rms_norm.dispatch(x, w, EPS).provider == vllm_cpu_norm.PROVIDER
-        assert ops.fused_add_rms_norm.dispatch(x, r, w, EPS).provider == vllm_cpu_norm.PROVIDER
+        assert ops.rms_norm.dispatch(x, w, EPS).provider == provider
+        assert ops.fused_add_rms_norm.dispatch(x, r, w, EPS).provider == provider
         out = ops.rms_norm(x, w, EPS)
         out_plain = ops.rms_norm(x, None, EPS)  # no weight (RMSNorm(has_weight=False))
         normed, summed = ops.fused_add_rms_norm(x.clone(), r.clone(), w, EPS)
@@ -51,6 +54,19 @@ def test_kernels_give_the_reference_norm_and_sum(ops, dtype, atol, rows):
     assert torch.equal(summed, expected_sum)  # the residual stream is the rounded sum, exactly
     native = ops.fused_add_rms_norm.impls["native"].impl_fn(x.clone(), r.clone(), w, EPS)[0]
     torch.testing.assert_close(normed.float(), native.float(), atol=atol, rtol=0)  # and agrees with vLLM's own
+
+
+@pytest.mark.skipif(cpu_has_bf16_dot_products(), reason="this CPU converts to bf16 in hardware, rounding")
+def test_without_bf16_hardware_the_kernels_truncate_a_bf16_sum(ops):
+    """Why bf16 stays native on such CPUs: vllm-cpu's own kernel rounds the residual sum toward zero."""
+    torch.manual_seed(0)
+    x, r, w = torch.randn(37, 896, dtype=torch.bfloat16), torch.randn(37, 896, dtype=torch.bfloat16), torch.randn(896)
+    w = w.to(torch.bfloat16)
+    summed = r.clone()
+    torch.ops._C.fused_add_rms_norm(x.clone(), summed, w, EPS)
+    exact = x.float() + r.float()
+    toward_zero = (exact.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+    assert not torch.equal(summed, exact.to(torch.bfloat16)) and torch.equal(summed, toward_zero)
 
 
 def test_arguments_the_kernels_do_not_take_fall_back_to_native(ops):
