@@ -430,16 +430,19 @@ class Trainer:
                 saved = f"saved the last good state as global_step_{self.global_step} in {self.run_dir}"
             raise TrainingStopped(f"{self.bad_steps} consecutive bad steps (last: {why}); {saved}")
 
+    def _log_limits(self) -> None:
+        """The end-of-run verdict and, where there is one, the advice (a closer: a failure here closes the rest)."""
+        if self.limits.reports:
+            for line in filter(None, (self.limits.verdict(), self.limits.advice())):
+                log.info(line)
+
     def _log_doctor(self) -> None:
         rollout = self.cfg.actor_rollout_ref.rollout
         log_checks(run_checks(sleep_mode=rollout.name == "vllm" and rollout.enable_sleep_mode), log)
 
     def close(self) -> None:
-        if self.limits.reports:
-            for line in filter(None, (self.limits.verdict(), self.limits.advice())):  # advice: '' when there is none
-                log.info(line)
-        for closer in (self.tracker.close, self.reward_fn.close, self.val_reward_fn.close, self.workers.close,
-                       lambda: detach(self.run_log), self.lock.release):
+        for closer in (self._log_limits, self.tracker.close, self.reward_fn.close, self.val_reward_fn.close,
+                       self.workers.close, lambda: detach(self.run_log), self.lock.release):
             try:
                 closer()
             except Exception as exc:  # keep closing the rest

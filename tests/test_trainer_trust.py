@@ -80,6 +80,19 @@ def test_a_second_trainer_on_the_same_directory_refuses(tiny_model_path, task, t
     Trainer(load_config(args(tiny_model_path, task, run_dir))).close()  # released on close
 
 
+def test_a_failing_end_of_run_report_still_closes_everything(tiny_model_path, task, tmp_path, monkeypatch):
+    """The verdict and advice are logged as the first of the closers: if they fail, the rest still run (the run
+    directory's lock is released)."""
+    run_dir = tmp_path / "run"
+    trainer = Trainer(load_config(args(tiny_model_path, task, run_dir, "trainer.total_training_steps=1")))
+    try:
+        trainer.fit()
+    finally:
+        monkeypatch.setattr(trainer.limits, "advice", lambda: 1 / 0)
+        trainer.close()
+    Trainer(load_config(args(tiny_model_path, task, run_dir, "trainer.existing_run_dir=move_aside"))).close()  # lock free
+
+
 def test_sigterm_checkpoints_then_exits_143_naming_the_step(tiny_model_path, task, tmp_path):
     run_dir = tmp_path / "run"
     argv = args(tiny_model_path, task, run_dir, "trainer.total_training_steps=50", "trainer.save_freq=100")
