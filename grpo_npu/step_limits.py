@@ -26,7 +26,7 @@ from grpo_npu.device import Device
 from grpo_npu.perf.advice import Passes, passes_advice
 from grpo_npu.perf.flops import ModelShape, dtype_name
 from grpo_npu.perf.hardware import cpu_bandwidth_probe, cpu_device_spec, cpu_probe_seconds, device_spec
-from grpo_npu.perf.memory import MemoryInputs, memory_table, over_capacity, plan_memory, plan_metrics
+from grpo_npu.perf.memory import GIB, MemoryInputs, memory_table, over_capacity, plan_memory, plan_metrics
 from grpo_npu.perf.report import StepReport, StepWorkload, ranked_phases, step_report, verdict
 from grpo_npu.rollout.layout import rollout_tp
 from grpo_npu.rollout.vllm_cpu_steps import DECODE_S, PREFILL_S, PREFILL_STEPS
@@ -72,7 +72,7 @@ class StepLimits:
         self.rollout_dtype = engine_dtype_of(arr, dev)
         self.measured = dev.kind == "cpu"  # the spec's bandwidth is a measurement, worth renewing (probe)
         self.device_kind, self.accelerator = dev.kind, dev.is_accelerator
-        self.capacity_gb = dev.total_memory() / 2**30
+        self.capacity = dev.total_memory()  # bytes of one device (CPU: the machine's RAM)
         self.peak_gb: float | None = None
         self.lengths: list[int] = []  # the last step's rows' tokens (prompt + response), generation order
         self.steps_s = self.probes_s = self.last_probe_s = 0.0
@@ -90,7 +90,8 @@ class StepLimits:
         self.world_size = world_size
         self.derived = derive(cfg, world_size)
         self.reports: list[StepReport] = []
-        self.memory = memory_plan_metrics(cfg, self.derived, dev, self.actor, self.dtype, self.rollout_dtype)
+        self.memory = memory_plan_metrics(cfg, self.derived, dev, self.actor, self.dtype, self.rollout_dtype,
+                                          self.capacity)
 
     def probe(self, timer: Timer) -> None:
         """Measure a CPU's bandwidth again, timed as this step's ``bandwidth_probe`` phase, when the probes so far
@@ -164,7 +165,7 @@ class StepLimits:
         if not (self.enabled and self.reports):
             return ""
         return passes_advice(ranked_phases(self.reports), phase_passes(self.cfg, self.derived, self.lengths),
-                             accelerator=self.accelerator, peak_gb=self.peak_gb, capacity_gb=self.capacity_gb)
+                             accelerator=self.accelerator, peak_gb=self.peak_gb, capacity_gb=self.capacity / GIB)
 
 
 def phase_passes(cfg, d: Derived, lengths: Sequence[int]) -> dict[str, Passes]:
@@ -218,7 +219,8 @@ def log_prob_rows(d: Derived, length: int) -> int:
                one(d.ref_log_prob_use_dynamic_bsz, d.ref_log_prob_max_token_len, d.ref_log_prob_micro_batch_per_rank))
 
 
-def memory_plan_metrics(cfg, d: Derived, dev: Device, shape: ModelShape, dtype, rollout_dtype) -> dict[str, float]:
+def memory_plan_metrics(cfg, d: Derived, dev: Device, shape: ModelShape, dtype, rollout_dtype,
+                        capacity: int) -> dict[str, float]:
     """Log the memory plan of this run as one table, warn for each phase that will not fit the device, and
     return its ``perf/mem_estimate_gb/*`` metrics (logged every step beside the measured peaks)."""
     arr, world_size = cfg.actor_rollout_ref, d.world_size
@@ -228,7 +230,6 @@ def memory_plan_metrics(cfg, d: Derived, dev: Device, shape: ModelShape, dtype, 
     kv = None
     if rollout.name == "vllm" and not dev.is_accelerator:
         kv = int((rollout.engine_kwargs.get("vllm", {}) or {}).get("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES))
-    capacity = dev.total_memory()
     plan = plan_memory(MemoryInputs(
         shape=shape, world_size=world_size, master_dtype="fp32", compute_dtype=dtype_name(dtype),
         rollout_dtype=dtype_name(rollout_dtype), micro_batch=d.micro_batch_per_rank or tokens_micro,

@@ -214,4 +214,4 @@ def test_a_run_far_from_its_update_limit_on_an_accelerator_is_told_which_key_to_
     line = limits.advice()
     assert line.startswith("perf: to try: update_actor runs at ")
     assert "in 4 passes per 4-row batch (actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1 rows per pass)" in line
-    assert f"(peak allocated 3.0 of {limits.capacity_gb:.1f} GiB)" in line
+    assert f"(peak allocated 3.0 of {limits.capacity / 2**30:.1f} GiB)" in line
