@@ -313,7 +313,8 @@ def test_the_critics_passes_are_resolved_once(keys, dynamic, values_micro, value
 
 
 def test_derived_values_are_not_written_back():
-    cfg = load_config(BASE[:1] + BASE[2:] + ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.clip_ratio_high=0.28"])
+    cfg = load_config(BASE[:1] + BASE[2:] + ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+                                             "actor_rollout_ref.actor.clip_ratio_low=null"])
     d = derive(cfg)
     assert (d.clip_low, d.clip_high) == (0.2, 0.28)
     assert cfg.actor_rollout_ref.actor.clip_ratio_low is None  # still unset in the config itself
@@ -345,3 +346,22 @@ def test_negative_kl_coef_and_non_positive_learning_rates_are_refused():
         load_config(BASE + ["trainer.step_timeout_s=0"])
     cfg = load_config(BASE + ["actor_rollout_ref.actor.kl_loss_coef=0", "critic.optim.lr=1e-6"])
     assert cfg.actor_rollout_ref.actor.kl_loss_coef == 0 and cfg.critic.optim.lr == 1e-6
+
+
+@pytest.mark.parametrize("keys,bounds", [
+    ((), (0.2, 0.2)),  # verl 0.9.1: clip_ratio_low and clip_ratio_high both default to 0.2
+    (("actor_rollout_ref.actor.clip_ratio_high=0.28",), (0.2, 0.28)),
+    (("actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.clip_ratio_low=null"), (0.3, 0.2)),
+    (("actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.clip_ratio_low=null",
+      "actor_rollout_ref.actor.clip_ratio_high=null"), (0.3, 0.3)),
+    (("actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.clip_ratio_low=0.3",
+      "actor_rollout_ref.actor.clip_ratio_high=0.3"), (0.3, 0.3)),
+])
+def test_clip_bounds_follow_verl_where_clip_ratio_fills_only_a_null_end(keys, bounds):
+    assert (lambda d: (d.clip_low, d.clip_high))(derive(load_config(BASE + list(keys)))) == bounds
+
+
+def test_a_clip_ratio_that_no_end_uses_is_refused():
+    """verl would train with 0.2 at both ends whatever clip_ratio says: refused here, not ignored."""
+    with pytest.raises(ConfigError, match=r"clip_ratio=0.3 is not used: clip_ratio_low=0.2 and clip_ratio_high=0.2"):
+        load_config(BASE + ["actor_rollout_ref.actor.clip_ratio=0.3"])

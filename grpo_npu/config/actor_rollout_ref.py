@@ -160,11 +160,11 @@ class ActorConfig:
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
     clip_ratio: float = 0.2
-    """PPO clip range for both ends unless clip_ratio_low/high are set."""
-    clip_ratio_low: Optional[float] = None
-    """Lower clip range (None: clip_ratio)."""
-    clip_ratio_high: Optional[float] = None
-    """Upper clip range (None: clip_ratio; DAPO clip-higher uses 0.28)."""
+    """PPO clip range of an end whose clip_ratio_low/high is null (verl: both default to 0.2, so it is unused)."""
+    clip_ratio_low: Optional[float] = 0.2
+    """Lower clip range (null: clip_ratio)."""
+    clip_ratio_high: Optional[float] = 0.2
+    """Upper clip range (null: clip_ratio; DAPO clip-higher uses 0.28)."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (must be > 1)."""
     loss_agg_mode: str = choice("token-mean", AGG_MODES)

@@ -96,6 +96,13 @@ def validate(cfg: Config) -> None:
     for key, v in [("clip_ratio", actor.clip_ratio), ("clip_ratio_low", actor.clip_ratio_low),
                    ("clip_ratio_high", actor.clip_ratio_high)]:
         require(v is None or v >= 0, f"actor_rollout_ref.actor.{key}={v} must be >= 0")
+    # verl 0.9.1 reads clip_ratio only for an end whose clip_ratio_low/high is null; both default to 0.2, so a
+    # clip_ratio set alone changes nothing there. Refused rather than ignored (or acted on, unlike verl).
+    default_clip = type(actor).clip_ratio  # the dataclass default
+    require(actor.clip_ratio == default_clip or actor.clip_ratio_low is None or actor.clip_ratio_high is None
+            or actor.clip_ratio_low == actor.clip_ratio_high == actor.clip_ratio,
+            f"actor_rollout_ref.actor.clip_ratio={actor.clip_ratio} is not used: clip_ratio_low={actor.clip_ratio_low} "
+            f"and clip_ratio_high={actor.clip_ratio_high} take precedence (as in verl); set those, or null them")
     require(actor.optim.lr >= 0, f"actor_rollout_ref.actor.optim.lr={actor.optim.lr} must be >= 0")
     require(0.0 <= actor.optim.lr_warmup_steps_ratio <= 1.0,
             f"actor_rollout_ref.actor.optim.lr_warmup_steps_ratio={actor.optim.lr_warmup_steps_ratio} must be in [0, 1]")
