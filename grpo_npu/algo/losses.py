@@ -38,10 +38,11 @@ GSPO_LOG_RATIO_MAX = 10.0
 def agg_counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Local (num_tokens, num_seqs) of a (B, T) mask as 0-d int64 tensors; sum them to get global counts.
 
-    num_seqs counts the rows with at least one valid token (a fully masked row is not a sequence).
+    num_seqs counts every row, a fully masked one (all its tokens rejected by rollout correction) included:
+    verl 0.9.1 divides the ``seq-mean-*`` modes by its global_batch_size, ppo_mini_batch_size x n rows.
     """
     valid = mask.bool()
-    return valid.sum(), valid.any(-1).sum()
+    return valid.sum(), torch.tensor(valid.shape[0], dtype=torch.int64, device=valid.device)
 
 
 def _positive(count, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -65,8 +66,9 @@ def agg_loss(
     seq-mean-token-sum:      sum_i sum_t(loss) / num_seqs
     seq-mean-token-mean:     sum_i (sum_t(loss) / len_i) / num_seqs
     seq-mean-token-sum-norm: sum(loss) / (num_seqs * horizon)
-    Sums run over valid tokens. num_tokens / num_seqs are the global counts of the mini-batch
-    (default: this call's, from agg_counts; rows without valid tokens are not sequences);
+    Sums run over valid tokens. num_tokens / num_seqs are the global counts of the mini-batch (agg_counts: every
+    row is a sequence); without them this call's own counts, where only rows with a valid token are sequences
+    (verl's agg_loss without global_batch_size);
     horizon is data.max_response_length (default: the mask width T).
     """
     if mode not in AGG_MODES:

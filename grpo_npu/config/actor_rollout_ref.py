@@ -173,6 +173,8 @@ class ActorConfig:
     """Leave responses cut at the length limit without eos (stop_reason 'length') out of the policy, KL and entropy losses (TRL's name)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (loss -= coeff x entropy)."""
+    calculate_entropy: bool = False
+    """Compute the entropy in the update's forward and log it as actor/entropy_loss (always so when entropy_coeff != 0)."""
     use_kl_loss: bool = False
     """Add a KL(policy || reference) term to the actor loss (GRPO)."""
     kl_loss_coef: float = 0.001

@@ -157,7 +157,9 @@ class Actor(Policy):
         if cfg.use_kl_loss:
             metrics["actor/kl_loss"] = stats.per_step("kl_loss")
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
-        if cfg.entropy_coeff != 0 or old_logp_from_update:
+        if cfg.entropy_coeff != 0 or cfg.calculate_entropy:  # verl's name for the update forward's entropy
+            metrics["actor/entropy_loss"] = stats.per_step("entropy")
+        if old_logp_from_update:  # the update's forward is the old-log-prob pass: its entropy is actor/entropy
             metrics["actor/entropy"] = stats.per_step("entropy")
         if cfg.mask_truncated_completions:  # rows left out / rows seen, over the same micro-batches
             metrics["response_length/truncated_masked_frac"] = stats.sums["truncated"] / max(stats.sums["rows"], 1.0)
@@ -176,7 +178,7 @@ class Actor(Policy):
         """
         cfg, d = self.cfg, self.derived
         mask = self.loss_tokens(micro)  # (b, T): less rollout-rejected tokens and, if asked, truncated rows
-        with_entropy = cfg.entropy_coeff != 0 or old_logp_from_update  # actor/entropy then comes from this forward
+        with_entropy = cfg.entropy_coeff != 0 or cfg.calculate_entropy or old_logp_from_update
         logp, entropy = self.forward(micro, with_entropy)  # (b, T) each
         old_logp = logp.detach() if old_logp_from_update else micro.old_logp  # (b, T): ratio exactly 1 from the update
         pg_loss, m = self.policy_loss_fn(

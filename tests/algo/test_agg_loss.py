@@ -49,14 +49,28 @@ def test_agg_loss_matches_reference(batch_kit, mode, shape, dtype):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fully_masked_rows_are_not_sequences(mode):
+def test_without_global_counts_fully_masked_rows_are_not_sequences(mode):
+    """verl's agg_loss without global_batch_size: seq_mask.sum() counts the rows with a valid token."""
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
     alone = losses.agg_loss(loss[:1], mask[:1], mode)
     with_empty_row = losses.agg_loss(loss, mask, mode)
     torch.testing.assert_close(with_empty_row, alone)
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("token-mean", 1.0), ("token-sum", 2.0), ("seq-mean-token-sum", 1.0), ("seq-mean-token-mean", 0.5),
+    ("seq-mean-token-sum-norm", 0.5),
+])
+def test_global_counts_take_every_row_as_a_sequence(mode, expected):
+    """The workers' counts: a row whose tokens rollout correction all rejected still counts, as verl 0.9.1 divides
+    the seq-mean modes by global_batch_size = ppo_mini_batch_size x n (its numbers: 0.5 / 1.0 / 0.5)."""
+    loss = torch.tensor([[1.0, 1.0], [5.0, 5.0]])
+    mask = torch.tensor([[1, 1], [0, 0]])
     num_tokens, num_seqs = losses.agg_counts(mask)
-    assert int(num_tokens) == 2 and int(num_seqs) == 1
+    assert int(num_tokens) == 2 and int(num_seqs) == 2
+    got = losses.agg_loss(loss, mask, mode, num_tokens=num_tokens, num_seqs=num_seqs, horizon=2)
+    assert float(got) == pytest.approx(expected)
 
 
 def test_all_masked_batch_gives_zero():

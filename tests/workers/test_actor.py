@@ -163,9 +163,24 @@ def test_kl_and_entropy_terms_and_metrics(tiny_model_path):
     metrics = worker.update_actor(batch)
     assert metrics["actor/pg_loss"] == pytest.approx(expected_pg, abs=1e-6)
     assert metrics["actor/kl_loss"] == pytest.approx(expected_kl, rel=1e-4)
-    assert metrics["actor/entropy"] == pytest.approx(expected_entropy, rel=1e-5)
+    assert metrics["actor/entropy_loss"] == pytest.approx(expected_entropy, rel=1e-5)  # verl's name for it
+    assert "actor/entropy" not in metrics  # that one is the old-log-prob pass's (verl's trainer logs it there)
     assert metrics["actor/lr"] == pytest.approx(0.01)
     assert metrics["actor/skipped_steps"] == 0
+
+
+def test_calculate_entropy_logs_the_updates_entropy_and_leaves_the_loss_alone(tiny_model_path):
+    batch = _ppo_batch(tiny_model_path, seed=3)
+    _, entropy, _ = _reference_logp(tiny_model_path, batch)
+    mask = batch.response_mask.bool()
+    runs = {}
+    for on in (False, True):
+        worker = make_worker(make_cfg(tiny_model_path, f"actor_rollout_ref.actor.calculate_entropy={on}"))
+        runs[on] = (worker.update_actor(batch), full_weights(worker.actor.module.hf))
+    assert runs[True][0]["actor/entropy_loss"] == pytest.approx(float(entropy[mask].sum() / mask.sum()), rel=1e-5)
+    assert "actor/entropy_loss" not in runs[False][0]
+    assert runs[True][0]["actor/pg_loss"] == runs[False][0]["actor/pg_loss"]
+    assert max_abs_diff(runs[True][1], runs[False][1]) == 0.0
 
 
 def test_non_finite_gradient_skips_the_step(tiny_model_path):

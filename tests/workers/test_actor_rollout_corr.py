@@ -20,16 +20,17 @@ def _scale(grads, c):
     return {k: v * c for k, v in grads.items()}
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_rejected_sequences_are_as_if_absent(tiny_model_path, agg):
-    """verl modifies response_mask: a rejected sequence neither contributes nor counts in the normaliser."""
+@pytest.mark.parametrize("agg,kept_share", [("token-mean", 1.0), ("seq-mean-token-mean", 6 / 8)])
+def test_rejected_sequences_leave_the_loss_and_count_as_verl_counts_them(tiny_model_path, agg, kept_share):
+    """verl 0.9.1 modifies response_mask: a rejected sequence contributes nothing and leaves the token count
+    (batch_num_tokens), but the seq-mean modes still divide by every row (global_batch_size = mini-batch x n)."""
     worker = make_worker(make_cfg(tiny_model_path, f"actor_rollout_ref.actor.loss_agg_mode={agg}"))
     batch = _ppo_batch(tiny_model_path, seed=4)
     loss_mask = batch.response_mask.clone()
     rejected, kept = [0, 5], [1, 2, 3, 4, 6, 7]
     loss_mask[rejected] = 0
     with_rejection = _actor_grads(worker, batch.replace(loss_mask=loss_mask))
-    without_rows = _actor_grads(worker, batch.select(kept))
+    without_rows = _scale(_actor_grads(worker, batch.select(kept)), kept_share)
     everything = _actor_grads(worker, batch)
     assert _max_diff(with_rejection, without_rows) < 1e-6
     assert _max_diff(with_rejection, everything) > 1e-4  # the mask matters
