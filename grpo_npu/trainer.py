@@ -281,8 +281,8 @@ class Trainer:
                 metrics.update({k: float(v) for k, v in kl_metrics.items()})
                 self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=len(batch))
             batch = correct_batch(batch, alg.rollout_correction, metrics)  # rollout IS weights / rejection (verl's order)
-            adv, ret = compute_advantage(
-                alg.adv_estimator, token_level_rewards=rewards, response_mask=batch.response_mask,
+            adv, ret = compute_advantage(  # on the tokens rejection kept, as verl's modified response_mask
+                alg.adv_estimator, token_level_rewards=rewards, response_mask=batch.loss_tokens(),
                 group_ids=batch.uid, values=batch.values, gamma=alg.gamma, lam=alg.lam,
                 norm_by_std=alg.norm_adv_by_std_in_grpo)
         return batch.replace(token_level_rewards=rewards, advantages=adv, returns=ret), metrics
