@@ -50,8 +50,11 @@ def _clamped_std(x: torch.Tensor, mask: torch.Tensor, low: float, high: float) -
     return (masked_mean(c.square(), mask) - masked_mean(c, mask).square()).clamp(min=0).sqrt()
 
 
-def _seq_summary(prefix: str, seq: torch.Tensor, high: float, low: float | None, ideal: float) -> dict:
-    """``<prefix>_seq_{mean,std,max,min,max_deviation,fraction_high[,fraction_low]}`` of per-sequence values."""
+def _seq_summary(prefix: str, seq: torch.Tensor, high: float, low: float | None, ideal: float,
+                 raw: torch.Tensor | None = None) -> dict:
+    """``<prefix>_seq_{mean,std,max,min,max_deviation,fraction_high[,fraction_low]}`` of per-sequence values;
+    the fractions count ``raw`` (default ``seq``) beyond the bounds."""
+    raw = seq if raw is None else raw
     n = seq.numel()
     zero = seq.new_zeros(())
     out = {
@@ -60,10 +63,10 @@ def _seq_summary(prefix: str, seq: torch.Tensor, high: float, low: float | None,
         f"{prefix}_seq_max": seq.max() if n else zero,
         f"{prefix}_seq_min": seq.min() if n else zero,
         f"{prefix}_seq_max_deviation": (seq - ideal).abs().max() if n else zero,
-        f"{prefix}_seq_fraction_high": (seq > high).float().mean() if n else zero,
+        f"{prefix}_seq_fraction_high": (raw > high).float().mean() if n else zero,
     }
     if low is not None:
-        out[f"{prefix}_seq_fraction_low"] = (seq < low).float().mean() if n else zero
+        out[f"{prefix}_seq_fraction_low"] = (raw < low).float().mean() if n else zero
     return out
 
 
@@ -78,7 +81,10 @@ def rollout_is_weights(
     token:    w_t = min(exp(clamp(log r_t)), threshold)
     sequence: w_t = min(exp(clamp(sum_t log r_t)), threshold) on every token of the sequence
     batch_normalize divides by the batch mean of w (over tokens, or over sequences for ``sequence``).
-    The metrics describe the weights before truncation (verl's compute_is_metrics).
+    Metrics as verl 0.9.1's compute_is_metrics: mean, std, effective sample size, the token max / min and the
+    per-sequence mean weights describe the truncated weights (before batch normalisation); the fractions
+    beyond the bounds count the raw weights (token), the raw per-sequence means (``_seq_fraction_*``) or
+    the summed log-ratios (sequence), and the sequence-level max / min come from the summed log-ratios.
     """
     if level not in ROLLOUT_IS_LEVELS:
         raise ValueError(f"algorithm.rollout_correction.rollout_is: unknown value {level!r}; "
@@ -94,9 +100,10 @@ def rollout_is_weights(
     else:
         log_w = masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1)  # (B, 1)
         weights = torch.exp(log_w.clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
-    weights = weights * m
+    weights = weights * m  # raw
+    truncated = weights.clamp(max=threshold)
     low = 1.0 / threshold
-    metrics: dict[str, torch.Tensor] = {"rollout_is_mean": masked_mean(weights, mask)}
+    metrics: dict[str, torch.Tensor] = {"rollout_is_mean": masked_mean(truncated, mask)}
     if level == "sequence":
         metrics["rollout_is_max"] = torch.exp(log_w.max().clamp(max=SAFETY_BOUND))
         metrics["rollout_is_min"] = torch.exp(log_w.min())
@@ -105,16 +112,15 @@ def rollout_is_weights(
     else:
         metrics["rollout_is_ratio_fraction_high"] = masked_mean((weights > threshold).float(), mask)
         metrics["rollout_is_ratio_fraction_low"] = masked_mean((weights < low).float(), mask)
-        metrics["rollout_is_max"] = _masked_max(weights, valid)
-        metrics["rollout_is_min"] = _masked_min(weights, valid)
-    metrics["rollout_is_std"] = _clamped_std(weights, mask, low, threshold)
-    w_ess = weights.clamp(min=low, max=threshold)
-    w_ess = w_ess / (masked_mean(w_ess, mask) + 1e-8)
+        metrics["rollout_is_max"] = _masked_max(truncated, valid)
+        metrics["rollout_is_min"] = _masked_min(truncated, valid)
+    metrics["rollout_is_std"] = _clamped_std(truncated, mask, 0.0, threshold)
+    w_ess = truncated / (masked_mean(truncated, mask) + 1e-8)
     metrics["rollout_is_eff_sample_size"] = 1.0 / masked_mean(w_ess.square(), mask)
-    seq_w = masked_mean(weights, mask, dim=-1)  # (B,)
-    metrics.update(_seq_summary("rollout_is", seq_w, threshold, low, ideal=1.0))
+    seq_w = masked_mean(truncated, mask, dim=-1)  # (B,)
+    metrics.update(_seq_summary("rollout_is", seq_w, threshold, low, ideal=1.0, raw=masked_mean(weights, mask, dim=-1)))
 
-    weights = weights.clamp(max=threshold).detach()
+    weights = truncated.detach()
     if batch_normalize:
         if level == "token":
             mean = masked_mean(weights, mask)

@@ -44,13 +44,15 @@ def v_mean(x, m, axis=None):
 
 
 def verl_is(lr, m, level, thr, normalize):
+    """verl 0.9.1: compute_rollout_correction_weights + compute_is_metrics (no IcePop lower bound)."""
     if level == "token":
         lfm = lr
-        w = torch.exp(lr.clamp(-20, 20))
+        raw = torch.exp(lr.clamp(-20, 20))
     else:
         lfm = v_sum(lr, m, -1).unsqueeze(-1)
-        w = torch.exp(lfm.clamp(-20, 20)).expand_as(lr)
-    w = w * m
+        raw = torch.exp(lfm.clamp(-20, 20)).expand_as(lr)
+    raw = raw * m
+    w = raw.clamp(max=thr)  # the truncated weights the metrics describe
     lo = 1.0 / thr
     out = {}
     if level == "sequence":
@@ -61,16 +63,16 @@ def verl_is(lr, m, level, thr, normalize):
         out["rollout_is_ratio_fraction_low"] = (lfm < math.log(lo)).double().mean()
     else:
         out["rollout_is_mean"] = v_mean(w, m)
-        out["rollout_is_ratio_fraction_high"] = v_mean((w > thr).double(), m)
-        out["rollout_is_ratio_fraction_low"] = v_mean((w < lo).double(), m)
+        out["rollout_is_ratio_fraction_high"] = v_mean((raw > thr).double(), m)
+        out["rollout_is_ratio_fraction_low"] = v_mean((raw < lo).double(), m)
         out["rollout_is_max"] = w.masked_fill(~m.bool(), float("-inf")).max()
         out["rollout_is_min"] = w.masked_fill(~m.bool(), float("inf")).min()
     if m.sum() > 1:
-        c = w.clamp(lo, thr)
+        c = w.clamp(0.0, thr)
         out["rollout_is_std"] = torch.sqrt((v_mean(c.square(), m) - v_mean(c, m).square()).clamp(min=0))
     else:
         out["rollout_is_std"] = 0.0
-    c = w.clamp(lo, thr)
+    c = w.clamp(0.0, thr)
     c = c / (v_mean(c, m) + 1e-8)
     out["rollout_is_eff_sample_size"] = 1.0 / v_mean(c.square(), m)
     s = v_mean(w, m, -1)
@@ -79,8 +81,9 @@ def verl_is(lr, m, level, thr, normalize):
     out["rollout_is_seq_max"] = s.max()
     out["rollout_is_seq_min"] = s.min()
     out["rollout_is_seq_max_deviation"] = (s - 1.0).abs().max()
-    out["rollout_is_seq_fraction_high"] = (s > thr).double().mean()
-    out["rollout_is_seq_fraction_low"] = (s < lo).double().mean()
+    raw_s = v_mean(raw, m, -1)
+    out["rollout_is_seq_fraction_high"] = (raw_s > thr).double().mean()
+    out["rollout_is_seq_fraction_low"] = (raw_s < lo).double().mean()
     w = w.clamp(max=thr)
     if normalize:
         if level == "token":
@@ -253,9 +256,14 @@ def test_is_weights_carry_no_gradient_and_saturate():
     weights, _, metrics = rc.compute_rollout_correction(old, roll, torch.ones(1, 2), rollout_is="token",
                                                         rollout_is_threshold=2.0)
     assert not weights.requires_grad and weights.tolist() == [[2.0, 1.0]]
-    # the metrics describe the weights before truncation; log r saturates at +-20 (verl's SAFETY_BOUND)
-    assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(math.exp(20.0), rel=1e-6)
+    # verl 0.9.1: the token max describes the truncated weights, the fraction beyond C the raw ones
+    assert metrics["rollout_corr/rollout_is_max"] == 2.0
     assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == 0.5
+    _, _, seq = rc.compute_rollout_correction(old, roll, torch.ones(1, 2), rollout_is="sequence",
+                                              rollout_is_threshold=2.0)
+    # at the sequence level max comes from the summed log-ratio, which saturates at 20 (verl's SAFETY_BOUND)
+    assert seq["rollout_corr/rollout_is_max"] == pytest.approx(math.exp(20.0), rel=1e-6)
+    assert seq["rollout_corr/rollout_is_mean"] == 2.0 and seq["rollout_corr/rollout_is_seq_fraction_high"] == 1.0
 
 
 # ------------------------------------------------------------------------------------------------
