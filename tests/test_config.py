@@ -365,3 +365,12 @@ def test_a_clip_ratio_that_no_end_uses_is_refused():
     """verl would train with 0.2 at both ends whatever clip_ratio says: refused here, not ignored."""
     with pytest.raises(ConfigError, match=r"clip_ratio=0.3 is not used: clip_ratio_low=0.2 and clip_ratio_high=0.2"):
         load_config(BASE + ["actor_rollout_ref.actor.clip_ratio=0.3"])
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.actor.optim.lr", "algorithm.kl_ctrl.kl_coef",
+                                 "actor_rollout_ref.rollout.temperature", "critic.optim.lr"])
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_a_float_setting_must_be_finite(key, value):
+    """lr=inf once trained NaN weights whose checkpoint was marked complete: every float key refuses inf and nan."""
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=-?(inf|nan) is not accepted: expected a finite number$"):
+        load_config(BASE + [f"{key}={value}"])

@@ -7,6 +7,7 @@ field are the ones the owning code declares in its torch-free ``names`` module.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 from grpo_npu.algo.names import FILTER_METRICS, ROLLOUT_IS_LEVELS, parse_rollout_rs
@@ -31,6 +32,19 @@ def _check_choices(obj: Any, prefix: str = "") -> None:
                 raise ConfigError(f"{key}={v!r} is not accepted; choose one of: {', '.join(map(str, choices))}")
 
 
+def _check_finite(obj: Any, prefix: str = "") -> None:
+    """Every float setting is a finite number: an lr of inf trains NaN weights that pass every later check."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, key + ".")
+            continue
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{key}={v!r} is not accepted: expected a finite number")
+
+
 def _positive(key: str, value: Any) -> None:
     require(value is None or value > 0, f"{key}={value!r} must be > 0")
 
@@ -38,6 +52,7 @@ def _positive(key: str, value: Any) -> None:
 def validate(cfg: Config) -> None:
     """Accepted values, unsupported features and the batch-size arithmetic, with explanations."""
     _check_choices(cfg)
+    _check_finite(cfg)
     d, arr, alg, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     actor, rollout, model = arr.actor, arr.rollout, arr.model
 
