@@ -374,3 +374,14 @@ def test_a_float_setting_must_be_finite(key, value):
     """lr=inf once trained NaN weights whose checkpoint was marked complete: every float key refuses inf and nan."""
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=-?(inf|nan) is not accepted: expected a finite number$"):
         load_config(BASE + [f"{key}={value}"])
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.actor.ppo_micro_batch_size",
+                                 "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+                                 "actor_rollout_ref.ref.log_prob_micro_batch_size", "critic.ppo_micro_batch_size"])
+def test_a_deprecated_global_micro_batch_beside_its_per_gpu_key_is_refused(key):
+    """Each pair sizes the same passes; with both set one of them would be ignored."""
+    both = [f"{key}=4", f"{key}_per_gpu=2"] + (["algorithm.adv_estimator=gae"] if key.startswith("critic") else [])
+    with pytest.raises(ConfigError, match=rf"^set only one of {re.escape(key)} \(deprecated\) and {re.escape(key)}_per_gpu$"):
+        load_config(BASE + both)
+    load_config(BASE + both[1:])  # the per-GPU key alone is fine

@@ -78,6 +78,7 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
     mini_per_rank = mini_responses // ws
 
     def per_rank_micro(key: str, global_mb: int | None, per_gpu: int | None) -> int | None:
+        require(not (global_mb and per_gpu), f"set only one of {key} (deprecated) and {key}_per_gpu")
         if per_gpu is not None:
             return per_gpu
         if global_mb is not None:

@@ -151,9 +151,6 @@ def validate(cfg: Config) -> None:
                 f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={d.max_response_length}]")
 
     # Micro-batch settings: exactly one way to size micro-batches.
-    require(not (actor.ppo_micro_batch_size and actor.ppo_micro_batch_size_per_gpu),
-            "set only one of actor_rollout_ref.actor.ppo_micro_batch_size (deprecated) and "
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
     require(actor.use_dynamic_bsz or actor.ppo_micro_batch_size or actor.ppo_micro_batch_size_per_gpu,
             "set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz=True with "
             "ppo_max_token_len_per_gpu)")
