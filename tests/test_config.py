@@ -385,3 +385,11 @@ def test_a_deprecated_global_micro_batch_beside_its_per_gpu_key_is_refused(key):
     with pytest.raises(ConfigError, match=rf"^set only one of {re.escape(key)} \(deprecated\) and {re.escape(key)}_per_gpu$"):
         load_config(BASE + both)
     load_config(BASE + both[1:])  # the per-GPU key alone is fine
+
+
+def test_a_reward_function_name_without_its_file_is_refused():
+    """verl reads custom_reward_function.name only with .path: alone it would leave the built-in scorer running."""
+    with pytest.raises(ConfigError, match=r"^custom_reward_function.name=my_fn names a function in "
+                                          r"custom_reward_function.path, which is not set$"):
+        load_config(BASE + ["custom_reward_function.name=my_fn"])
+    load_config(BASE + ["custom_reward_function.name=compute_score"])  # verl's default, said out loud

@@ -150,6 +150,10 @@ def validate(cfg: Config) -> None:
         require(0 < ob.len <= d.max_response_length,
                 f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={d.max_response_length}]")
 
+    crf = cfg.custom_reward_function
+    require(crf.path is not None or crf.name == type(crf).name,
+            f"custom_reward_function.name={crf.name} names a function in custom_reward_function.path, which is not set")
+
     # Micro-batch settings: exactly one way to size micro-batches.
     require(actor.use_dynamic_bsz or actor.ppo_micro_batch_size or actor.ppo_micro_batch_size_per_gpu,
             "set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz=True with "
