@@ -32,6 +32,8 @@ REWARD_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 def check_model_dir(key: str, path: str, *, need_tokenizer: bool = True) -> None:
     """``path`` is a local HF checkpoint: a directory with config.json (model_type set) and a tokenizer."""
     root = Path(path).expanduser()
+    if root.is_file():
+        raise UserError(f"{key}={path} is a file: a Hugging Face checkpoint directory (config.json, weights) is expected")
     if not root.is_dir():
         hint = (f"; it looks like a hub id: download it first (huggingface-cli download {path} --local-dir DIR) "
                 "and pass DIR" if path.count("/") == 1 and not path.startswith((".", "/", "~")) else "")

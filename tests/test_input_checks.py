@@ -28,6 +28,11 @@ def test_missing_directory_and_hub_id(tmp_path):
     with pytest.raises(UserError) as err:
         check_model_dir(KEY, str(tmp_path / "nope"))
     assert _one_line(err).startswith(f"{KEY}={tmp_path / 'nope'}: no such directory")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(UserError) as err:
+        check_model_dir(KEY, str(tmp_path / "weights.bin"))
+    assert _one_line(err) == f"{KEY}={tmp_path / 'weights.bin'} is a file: a Hugging Face checkpoint directory " \
+                             "(config.json, weights) is expected"
     with pytest.raises(UserError) as err:
         check_model_dir(KEY, "Qwen/Qwen2.5-0.5B-Instruct")
     assert "looks like a hub id" in _one_line(err) and "huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct" in str(err.value)

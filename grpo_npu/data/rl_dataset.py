@@ -70,6 +70,8 @@ def _as_file_list(files: str | os.PathLike | Sequence) -> list[Path]:
         raise ValueError("no data files given (data.train_files / data.val_files is empty)")
     paths = [Path(os.fspath(f)).expanduser() for f in items]
     for path in paths:
+        if path.is_dir():
+            raise FileNotFoundError(f"data file {path} is a directory: expected a parquet file")
         if not path.is_file():
             raise FileNotFoundError(f"data file {path} does not exist")
     return paths
@@ -229,7 +231,9 @@ class RLDataset:
     def _tokenize(self, messages: list[list[dict]]) -> list[list[int]]:
         """Render every conversation with the chat template and tokenize them in one batch."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat_template; RL prompts are chat lists and need one")
+            where = getattr(self.tokenizer, "name_or_path", "") or "?"
+            raise ValueError(f"the tokenizer of {where} has no chat_template; RL prompts are chat lists and need one "
+                             "(actor_rollout_ref.model.tokenizer_path or data.tokenizer can name one that has)")
         texts = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                                    **self.apply_chat_template_kwargs)
         n = min(self.tokenize_workers, len(texts))

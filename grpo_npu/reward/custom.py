@@ -21,6 +21,8 @@ DEFAULT_NAME = "compute_score"
 def load_function(path: str | os.PathLike, name: str = DEFAULT_NAME) -> Callable:
     """Import ``path`` as a module and return its callable ``name``; errors name the path and function."""
     path = Path(path).expanduser().resolve()
+    if path.is_dir():
+        raise FileNotFoundError(f"custom_reward_function.path={path} is a directory: expected a Python file")
     if not path.is_file():
         raise FileNotFoundError(f"custom_reward_function.path={path} does not exist")
     # A unique module name per file: two custom files with the same stem must not shadow each other.

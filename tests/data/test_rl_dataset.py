@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -148,6 +149,9 @@ def test_bad_inputs_give_clear_errors(tiny_tokenizer, parquet, tmp_path):
     good = parquet(_rows(2))
     with pytest.raises(FileNotFoundError, match="nope.parquet does not exist"):
         RLDataset([good, str(tmp_path / "nope.parquet")], tiny_tokenizer)
+    (tmp_path / "dir.parquet").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"dir\.parquet is a directory: expected a parquet file"):
+        RLDataset([good, str(tmp_path / "dir.parquet")], tiny_tokenizer)
     with pytest.raises(ValueError, match="no data files"):
         RLDataset([], tiny_tokenizer)
     with pytest.raises(ValueError, match=r"data.truncation='sideways'"):
@@ -326,3 +330,10 @@ def test_tokenize_workers_give_the_same_ids(tiny_tokenizer, parquet):
     one = RLDataset(path, tiny_tokenizer, max_prompt_length=256)
     three = RLDataset(path, tiny_tokenizer, max_prompt_length=256, tokenize_workers=3)
     assert [one[i].raw_prompt_ids for i in range(7)] == [three[i].raw_prompt_ids for i in range(7)]
+
+
+def test_a_tokenizer_without_a_chat_template_is_named(tiny_tokenizer, parquet, monkeypatch):
+    monkeypatch.setattr(tiny_tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match=rf"^the tokenizer of {re.escape(tiny_tokenizer.name_or_path)} has no "
+                                         r"chat_template; RL prompts are chat lists and need one \("):
+        RLDataset(parquet(_rows(2)), tiny_tokenizer)

@@ -62,6 +62,8 @@ def test_errors_name_the_path_and_function(user_file, tmp_path):
     missing = tmp_path / "nope.py"
     with pytest.raises(FileNotFoundError, match=r"custom_reward_function.path=.*nope.py does not exist"):
         load_function(missing)
+    with pytest.raises(FileNotFoundError, match=r"custom_reward_function.path=.* is a directory: expected a Python file"):
+        load_function(tmp_path)
     with pytest.raises(AttributeError, match=r"custom_reward_function.name='score_fn': .*my_reward.py has no "
                                              r"function of that name; it defines \['compute_score', 'length_reward'\]"):
         load_function(user_file, "score_fn")
