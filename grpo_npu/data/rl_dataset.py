@@ -105,6 +105,15 @@ def _check_ground_truth(rows: list[dict], path: Path) -> None:
                              "reward compares against), as data_preprocess/gsm8k.py writes it")
 
 
+def _check_data_source(rows: list[dict], path: Path, column: str) -> None:
+    """Every row names its data source (the reward function is chosen by it) as a non-empty string."""
+    for k, row in enumerate(rows):
+        value = row.get(column)
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{path} row {k}: {column}={value!r}; each row's {column} column (data.reward_fn_key) "
+                             "must name its data source, a non-empty string such as 'openai/gsm8k'")
+
+
 def truncate(ids: list[int], max_len: int, mode: str) -> list[int]:
     """Cut ``ids`` to ``max_len`` tokens: left keeps the end, right the start, middle both halves."""
     if len(ids) <= max_len:
@@ -222,6 +231,7 @@ class RLDataset:
                                      "not supported by grpo_npu; use text-only prompts")
             file_rows = table.to_pylist()
             _check_ground_truth(file_rows, path)
+            _check_data_source(file_rows, path, self.reward_fn_key)
             rows += file_rows
             origins += [f"{path} row {k}" for k in range(len(file_rows))]
         if not rows:

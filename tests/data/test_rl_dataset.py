@@ -337,3 +337,13 @@ def test_a_tokenizer_without_a_chat_template_is_named(tiny_tokenizer, parquet, m
     with pytest.raises(ValueError, match=rf"^the tokenizer of {re.escape(tiny_tokenizer.name_or_path)} has no "
                                          r"chat_template; RL prompts are chat lists and need one \("):
         RLDataset(parquet(_rows(2)), tiny_tokenizer)
+
+
+@pytest.mark.parametrize("value", [None, ""])
+def test_a_row_without_a_data_source_is_refused_naming_file_and_row(tiny_tokenizer, parquet, value):
+    """The reward is chosen by data_source: a null one used to load, then score 0 with a warning per row."""
+    rows = _rows(6)
+    rows[4]["data_source"] = value
+    with pytest.raises(ValueError, match=rf"data\.parquet row 4: data_source={re.escape(repr(value))}; each row's "
+                                         r"data_source column \(data\.reward_fn_key\) must name its data source"):
+        RLDataset(parquet(rows), tiny_tokenizer)
