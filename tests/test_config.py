@@ -393,3 +393,15 @@ def test_a_reward_function_name_without_its_file_is_refused():
                                           r"custom_reward_function.path, which is not set$"):
         load_config(BASE + ["custom_reward_function.name=my_fn"])
     load_config(BASE + ["custom_reward_function.name=compute_score"])  # verl's default, said out loud
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("actor_rollout_ref.rollout.top_k", -5, "must be -1 or 0 (off) or >= 1"),
+    ("actor_rollout_ref.rollout.val_kwargs.top_k", -2, "must be -1 or 0 (off) or >= 1"),
+    ("actor_rollout_ref.rollout.val_kwargs.top_p", 0.0, "must be in (0, 1]"),
+    ("actor_rollout_ref.rollout.val_kwargs.temperature", -1.0, "must be >= 0"),
+])
+def test_sampling_settings_are_checked_at_load_naming_the_key(key, value, expected):
+    """top_k=-5 was found only after the model had loaded, as 'SamplingConfig: top_k=-5 ...'."""
+    with pytest.raises(ConfigError, match=rf"^{re.escape(f'{key}={value} {expected}')}$"):
+        load_config(BASE + [f"{key}={value}"])

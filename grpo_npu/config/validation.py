@@ -84,8 +84,11 @@ def validate(cfg: Config) -> None:
                                      "(a negative coefficient rewards moving away from the reference)")
     require(0.0 < rollout.gpu_memory_utilization <= 1.0,
             f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]")
-    require(rollout.temperature >= 0, f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be >= 0")
-    require(0 < rollout.top_p <= 1, f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]")
+    for prefix, sampling in (("actor_rollout_ref.rollout", rollout), ("actor_rollout_ref.rollout.val_kwargs",
+                                                                       rollout.val_kwargs)):
+        require(sampling.temperature >= 0, f"{prefix}.temperature={sampling.temperature} must be >= 0")
+        require(0 < sampling.top_p <= 1, f"{prefix}.top_p={sampling.top_p} must be in (0, 1]")
+        require(sampling.top_k >= -1, f"{prefix}.top_k={sampling.top_k} must be -1 or 0 (off) or >= 1")
     require(rollout.name != "hf" or rollout.dtype == "auto",
             f"actor_rollout_ref.rollout.dtype={rollout.dtype} with rollout.name=hf: that rollout generates with the "
             "actor's module in the actor's compute dtype (fsdp_config.mixed_precision.param_dtype); leave it auto")
