@@ -164,6 +164,16 @@ def test_yaml_then_cli_precedence(tmp_path):
         load_config([], yaml_path=str(bad))
     with pytest.raises(ConfigError, match=r"does not exist"):
         load_config([], yaml_path=str(tmp_path / "missing.yaml"))
+    bad.write_text("data: 5\n")
+    with pytest.raises(ConfigError, match=rf"^data in {re.escape(str(bad))} is a section of settings: expected a "
+                                          r"mapping, got 5$"):
+        load_config([], yaml_path=str(bad))
+    bad.write_text("data:\n  train_batch_size: 2\n   bad_indent: 3\n")
+    with pytest.raises(ConfigError, match=r"is not valid YAML: mapping values are not allowed") as err:
+        load_config([], yaml_path=str(bad))
+    assert "\n" not in str(err.value), "one line, the YAML parser's position included"
+    bad.write_text("data:\ntrainer:\n  n_gpus_per_node: 2\n")  # a section whose settings are all commented out
+    assert load_config(BASE[:1] + BASE[2:], yaml_path=str(bad)).trainer.n_gpus_per_node == 2
 
 
 def test_command_line_forms(tmp_path, capsys):

@@ -142,7 +142,11 @@ def _check_tree(node: Any, path: list[str], source: str, verl_only: list[tuple[s
             plain = OmegaConf.to_container(v) if isinstance(v, (DictConfig, ListConfig)) else v
             verl_only.append((key, plain if isinstance(plain, str) else json.dumps(plain)))
             node.pop(k)
+        elif kind == "section" and v is None:  # "data:" with every setting under it commented out
+            node.pop(k)
         elif kind == "section":
+            if not isinstance(v, (dict, DictConfig)):
+                raise ConfigError(f"{key} in {source} is a section of settings: expected a mapping, got {v!r}")
             _check_tree(v, sub, source, verl_only, moved)
 
 
@@ -177,7 +181,7 @@ def _load_yaml(yaml_path: str, verl_only: list[tuple[str, str]]) -> DictConfig:
     try:
         yaml_cfg = OmegaConf.load(yaml_path)
     except Exception as exc:
-        raise ConfigError(f"config file {yaml_path!r} is not valid YAML: {exc}") from None
+        raise ConfigError(f"config file {yaml_path!r} is not valid YAML: {' '.join(str(exc).split())}") from None
     if not isinstance(yaml_cfg, DictConfig):
         raise ConfigError(f"config file {yaml_path!r} must hold a mapping at the top level")
     yaml_cfg.pop("defaults", None)  # hydra's defaults list: our defaults are the dataclasses
