@@ -415,3 +415,9 @@ def test_sampling_settings_are_checked_at_load_naming_the_key(key, value, expect
     """top_k=-5 was found only after the model had loaded, as 'SamplingConfig: top_k=-5 ...'."""
     with pytest.raises(ConfigError, match=rf"^{re.escape(f'{key}={value} {expected}')}$"):
         load_config(BASE + [f"{key}={value}"])
+
+
+def test_an_added_key_with_a_typo_gets_suggestions():
+    with pytest.raises(ConfigError, match=r"does not declare and grpo_npu does not have\); did you mean "
+                                          r"actor_rollout_ref\.actor\.ppo_mini_batch_size"):
+        load_config(BASE + ["+actor_rollout_ref.actor.ppo_mini_batchsize=2"])

@@ -63,7 +63,7 @@ def _classify(key: str, value: str, prefix: str) -> tuple[str, str]:
         return "verl", key
     if prefix:
         raise ConfigError(f"not supported by grpo_npu: {prefix}{key}={value} (a key verl {VERL_VERSION} does not "
-                          "declare and grpo_npu does not have)")
+                          f"declare and grpo_npu does not have){suggest(key)}")
     raise ConfigError(f"unknown config key {key!r}{suggest(key)}")
 
 
