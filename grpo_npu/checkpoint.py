@@ -22,6 +22,7 @@ directories.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import pickle
 import logging
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_npu.errors import UserError
+from grpo_npu.errors import UserError, WorkerError
 from grpo_npu.io import commit_dir, write_atomic
 from grpo_npu.names import RESUME_MODES
 
@@ -47,6 +48,9 @@ TMP_PREFIX = ".tmp_global_step_"  # being written by a live (or killed) run
 TRASH_PREFIX = ".old_global_step_"  # a replaced checkpoint, deleted right after the rename
 
 _DIGEST_CHUNK = 8 << 20
+# A checkpoint write that failed while less than this was free on its device failed for want of space (a full
+# disk surfaces as ENOSPC, or as torch's zip writer's "unexpected pos" with no errno).
+LOW_SPACE_BYTES = 16 << 20
 _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 _SCRATCH_DIR = re.compile(rf"^(?:{re.escape(TMP_PREFIX)}|{re.escape(TRASH_PREFIX)})(\d+)_(\d+)$")
 
@@ -63,6 +67,53 @@ def load_state_file(path: str | os.PathLike) -> dict:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"checkpoint file {path} holds more than tensors and plain data; refused to load it "
                         f"(it could run foreign code): {first}") from None
+
+
+def _causes(exc: BaseException):
+    """``exc``, its causes and contexts, and the per-rank failures a torch DCP CheckpointException carries."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} bytes"
+
+
+def out_of_space(checkpoint: str | os.PathLike, exc: BaseException, written: str | os.PathLike | None = None
+                 ) -> UserError | None:
+    """A one-line UserError naming ``checkpoint`` when writing it (into ``written``, default ``checkpoint``)
+    failed because its device is full (ENOSPC anywhere in ``exc``'s chain, or under LOW_SPACE_BYTES free);
+    None for any other failure."""
+    if not isinstance(exc, Exception) and not hasattr(exc, "failures"):  # Ctrl-C, SystemExit: not a write error
+        return None
+    if isinstance(exc, UserError) or (isinstance(exc, WorkerError) and exc.user_error):  # said in one line already
+        return None
+    enospc = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in _causes(exc))
+    where = Path(written if written is not None else checkpoint)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        usage = shutil.disk_usage(where)
+    except OSError:
+        usage = None
+    if not enospc and (usage is None or usage.free >= LOW_SPACE_BYTES):
+        return None
+    free = f" ({_size(usage.free)} free of {_size(usage.total)})" if usage is not None else ""
+    return UserError(f"checkpoint {checkpoint}: no space left on the device{free}; nothing of it was kept: "
+                     "free some space or point trainer.default_local_dir at a larger disk")
 
 
 def file_digest(path: Path) -> list[int]:
@@ -118,6 +169,12 @@ def step_of(path: str | os.PathLike) -> int:
 def is_complete(path: str | os.PathLike) -> bool:
     """A checkpoint directory that was committed (holds the completion marker)."""
     return (Path(path) / COMPLETE_MARKER).is_file()
+
+
+def _scratch_step(tmp: Path) -> str:
+    """The N of a ``.tmp_global_step_N_<pid>`` directory (its name when it is not one)."""
+    match = _SCRATCH_DIR.match(tmp.name)
+    return match.group(1) if match else tmp.name
 
 
 def _pid_alive(pid: int) -> bool:
@@ -180,20 +237,30 @@ class CheckpointManager:
             raise FileNotFoundError(f"checkpoint temp directory {tmp} does not exist (was begin({step}) called?)")
         if tmp.parent.resolve() != self.root.resolve():
             raise ValueError(f"checkpoint temp directory {tmp} is not inside {self.root}")
-        marker = {"step": step, "time": time.time(), "pid": os.getpid(), "files": manifest_of(tmp)}
-        (tmp / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
         final = self.step_dir(step)
-        # A leftover of an earlier run at this step is moved aside, and deleted once the latest file moved.
-        trash = commit_dir(tmp, final, trash=self.root / f"{TRASH_PREFIX}{step}_{os.getpid()}")
-        write_atomic(self.latest_file, f"{step}\n")
+        try:
+            marker = {"step": step, "time": time.time(), "pid": os.getpid(), "files": manifest_of(tmp)}
+            (tmp / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
+            # A leftover of an earlier run at this step is moved aside, and deleted once the latest file moved.
+            trash = commit_dir(tmp, final, trash=self.root / f"{TRASH_PREFIX}{step}_{os.getpid()}")
+        except BaseException as exc:  # not committed: nothing of it stays (a marker written half is no marker)
+            raise self.abort(tmp, exc)
+        try:
+            write_atomic(self.latest_file, f"{step}\n")
+        except Exception as exc:  # the checkpoint is committed; discovery finds it without the latest file
+            raise out_of_space(final, exc, self.root) or exc
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         self._apply_retention(step)
         return final
 
-    def abort(self, tmp: str | os.PathLike) -> None:
-        """Discard an uncommitted temporary directory."""
+    def abort(self, tmp: str | os.PathLike, exc: BaseException | None = None) -> BaseException | None:
+        """Discard an uncommitted temporary directory; given the error that stopped writing it, returns the
+        error to raise: a one-line UserError naming the checkpoint when its device is full, else ``exc``."""
+        tmp = Path(tmp)
+        full = out_of_space(self.root / f"{STEP_PREFIX}{_scratch_step(tmp)}", exc, tmp) if exc is not None else None
         shutil.rmtree(tmp, ignore_errors=True)
+        return full or exc
 
     def clean_stale(self) -> list[Path]:
         """Delete temp/trash directories whose writer process is gone; returns what was removed."""

@@ -337,9 +337,8 @@ class Trainer:
                 "world_size": self.world_size,
                 "optim": optim_settings(self.cfg),
             }, tmp / TRAINER_STATE)
-        except BaseException:
-            self.ckpt.abort(tmp)
-            raise
+        except BaseException as exc:  # nothing of it is kept; a full disk is said in one line naming the checkpoint
+            raise self.ckpt.abort(tmp, exc)
         self.ckpt.commit(step, tmp)
         log.info("saved checkpoint global_step_%d", step)
         return time.perf_counter() - start

@@ -176,24 +176,30 @@ class ConsoleSink(Sink):
 
 @register_sink("jsonl")
 class JsonlSink(Sink):
-    """run_dir/metrics.jsonl, appended and flushed every step."""
+    """run_dir/metrics.jsonl, appended and flushed every step.
+
+    Opened at the first record: a run that ends before it logs anything (bad input found once the run
+    directory exists) leaves no empty metrics.jsonl behind."""
 
     def __init__(self, info: RunInfo) -> None:
         self.path = info.run_dir / METRICS_FILE
-        self._file = JsonlAppender(self.path)
+        self._file: JsonlAppender | None = None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        if self._file is None:
+            self._file = JsonlAppender(self.path)
         self._file.append({STEP_KEY: step, **metrics})
 
     def truncate_after(self, step: int) -> None:
-        self._file.close()
+        self.close()
         if self.path.is_file():
             rows, _ = _parse_lines(self.path.read_text(encoding="utf-8"), self.path)
             write_atomic(self.path, "".join(line + "\n" for s, _, line in rows if s <= step))
-        self._file = JsonlAppender(self.path)
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 # The tensorboard, wandb and mlflow packages are optional: each sink imports its own when it is built.

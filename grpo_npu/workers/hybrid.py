@@ -12,6 +12,7 @@ Roles are decided by the config, once: the reference policy exists only when a K
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -22,9 +23,11 @@ import torch.distributed as dist
 from transformers import AutoTokenizer, GenerationConfig
 
 from grpo_npu.batch import RolloutBatch
+from grpo_npu.checkpoint import STEP_PREFIX, out_of_space
 from grpo_npu.config import Config, derive
 from grpo_npu.determinism import make_deterministic
 from grpo_npu.device import get_device
+from grpo_npu.errors import UserError
 from grpo_npu.rollout import MemoryLedger, build_rollout, engine_decode_rows, run_rollout_step
 from grpo_npu.rollout.sync_check import SyncCheck, default_threshold
 from grpo_npu.workers import fsdp, lora
@@ -42,6 +45,7 @@ CRITIC_DIR = "critic"
 # Resumed on another number of ranks than the checkpoint was written by: rank r of step s reseeds with
 # trainer.seed + s * RESHARD_SEED_STRIDE + r (a prime stride: no two (step, rank) pairs share a stream).
 RESHARD_SEED_STRIDE = 10_007
+MODEL_PATH_KEY = "actor_rollout_ref.model.path"  # the actor's and the reference's weights
 
 
 def eos_ids(tokenizer, model_path: str) -> list[int]:
@@ -106,7 +110,7 @@ class HybridWorker:
             compute_dtype=dtypes["actor"], trainable=True,
             gradient_checkpointing=model.enable_gradient_checkpointing, fused_kernels=fused, seed=cfg.trainer.seed,
             shared_prefix=share, remove_padding=model.use_remove_padding, onednn_linear=onednn,
-            lora=self.lora, compile_layers=compiled,
+            lora=self.lora, compile_layers=compiled, path_key=MODEL_PATH_KEY,
         )
         self.actor = Actor(actor_module, dev, arr.actor, d, remove_padding=model.use_remove_padding,
                            temperature=arr.rollout.temperature, total_steps=total_steps, seed=cfg.trainer.seed,
@@ -123,7 +127,7 @@ class HybridWorker:
                 compute_dtype=dtypes["ref"], trainable=False,
                 gradient_checkpointing=False, fused_kernels=fused, seed=cfg.trainer.seed,
                 shared_prefix=share, remove_padding=model.use_remove_padding, onednn_linear=onednn,
-                compile_layers=compiled,
+                compile_layers=compiled, path_key=MODEL_PATH_KEY,
             )
             self.ref = Policy(ref_module, dev, remove_padding=model.use_remove_padding,
                               temperature=arr.rollout.temperature, param_offload=arr.ref.fsdp_config.param_offload,
@@ -136,7 +140,7 @@ class HybridWorker:
                 compute_dtype=dtypes["critic"], trainable=True,
                 gradient_checkpointing=cm.enable_gradient_checkpointing, fused_kernels=fused, value_head=True,
                 seed=cfg.trainer.seed, remove_padding=cm.use_remove_padding, onednn_linear=onednn,
-                compile_layers=compiled,
+                compile_layers=compiled, path_key=self._critic_path_key(),
             )
             self.critic = Critic(critic_module, dev, cfg.critic, d, default_agg_mode=arr.actor.loss_agg_mode,
                                  total_steps=total_steps, seed=cfg.trainer.seed)
@@ -264,7 +268,19 @@ class HybridWorker:
 
     # -- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self, out_dir: str, step: int) -> None:
-        """This rank's shards of actor (and critic) model + optimizer + scheduler + RNG under ``out_dir``."""
+        """This rank's shards of actor (and critic) model + optimizer + scheduler + RNG under ``out_dir``.
+
+        A full disk is a UserError naming the checkpoint (``global_step_<step>`` beside ``out_dir``)."""
+        try:
+            self._save_checkpoint(out_dir, step)
+        except Exception as exc:
+            full = out_of_space(os.path.join(os.path.dirname(os.path.abspath(out_dir)), f"{STEP_PREFIX}{step}"),
+                                exc, out_dir)
+            if full is None:
+                raise
+            raise full from exc
+
+    def _save_checkpoint(self, out_dir: str, step: int) -> None:
         contents = set(self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
         actor = self._need("actor")
         extra = {"step": step, "rng": self.dev.get_rng_state(), **actor.loop.state_extra()}
@@ -285,7 +301,7 @@ class HybridWorker:
         """Restore what :meth:`save_checkpoint` wrote, on any number of ranks; returns the saved step."""
         contents = set(self.cfg.actor_rollout_ref.actor.checkpoint.load_contents)
         actor = self._need("actor")
-        with params_on(actor.module, self.dev, actor.param_offload):
+        with params_on(actor.module, self.dev, actor.param_offload), self._fits(in_dir, MODEL_PATH_KEY):
             extra = fsdp.load_sharded(os.path.join(in_dir, ACTOR_DIR), actor.module,
                                       actor.loop.optimizer if "optimizer" in contents else None)
         if "extra" in contents:
@@ -295,10 +311,25 @@ class HybridWorker:
             else:  # written by another number of ranks: a fresh stream per (seed, step, rank)
                 self.dev.seed_everything(self.cfg.trainer.seed + RESHARD_SEED_STRIDE * int(extra["step"]) + dist.get_rank())
         if self.critic is not None:
-            with params_on(self.critic.module, self.dev, self.critic.param_offload):
+            with params_on(self.critic.module, self.dev, self.critic.param_offload), \
+                    self._fits(in_dir, self._critic_path_key()):
                 self.critic.loop.load_extra(fsdp.load_sharded(os.path.join(in_dir, CRITIC_DIR), self.critic.module,
                                                               self.critic.loop.optimizer))
         return int(extra["step"])
+
+    def _critic_path_key(self) -> str:
+        """The key that names the critic's weights: critic.model.path, else the actor's it falls back to."""
+        return "critic.model.path" if self.cfg.critic.model.path else MODEL_PATH_KEY
+
+    @contextlib.contextmanager
+    def _fits(self, in_dir: str, key: str):
+        """A checkpoint whose tensors do not fit the model built from ``key``: one line naming both."""
+        try:
+            yield
+        except fsdp.CheckpointMismatch as exc:
+            path = self.cfg.critic.model.path if key == "critic.model.path" else self.cfg.actor_rollout_ref.model.path
+            raise UserError(f"resume: checkpoint {in_dir} holds weights of {exc.kind} than {key}={path} "
+                            f"({exc.detail})") from exc
 
     def export_hf(self, out_dir: str, dtype: str | None = None) -> None:
         """The actor as a from_pretrained-loadable directory (rank 0 writes; all ranks gather); LoRA: merged."""

@@ -114,15 +114,17 @@ def build_sharded(
     onednn_linear: bool = False,
     lora: lora_lib.LoraSettings | None = None,
     compile_layers: bool = False,
+    path_key: str = "model.path",
 ) -> ResponseModel:
     """Load (rank 0 reads, others meta), patch, checkpoint, wrap and shard an HF model; weights from rank 0.
-    One CPU rank with the defaults gets the model unwrapped, on its device (:func:`fsdp_wrap_on`)."""
+    One CPU rank with the defaults gets the model unwrapped, on its device (:func:`fsdp_wrap_on`).
+    ``path_key``: the config key that gave ``path``, named when its weights cannot be read."""
     master_dtype = fsdp.resolve_dtype(fsdp_cfg.model_dtype, dev) if trainable else compute_dtype
     config = fsdp.load_hf_config(path, override_config, trust_remote_code=trust_remote_code,
                                  num_labels=1 if value_head else None)
     torch.manual_seed(seed)  # a freshly initialised value head is the same wherever it is built
     hf_model = fsdp.load_hf_model(path, config, dtype=master_dtype, value_head=value_head,
-                                  trust_remote_code=trust_remote_code)
+                                  trust_remote_code=trust_remote_code, key=path_key)
     if lora is not None:  # before the ops patch: the fused MLP must see the wrapped projections and keep them
         lora_lib.apply_lora(hf_model, lora)
     patch_ops = ops_to_patch(fused_kernels=fused_kernels, onednn_linear=onednn_linear, shared_prefix=shared_prefix,
