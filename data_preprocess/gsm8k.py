@@ -65,6 +65,13 @@ def find_local_files(paths: list[str]) -> dict[str, list[Path]]:
     return found
 
 
+def _json(text: str, where: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not valid JSON ({err})") from None
+
+
 def read_records(path: Path) -> list[dict]:
     """Records of a jsonl/json/parquet file, each with ``question`` and ``answer``."""
     if path.suffix == ".parquet":
@@ -72,10 +79,13 @@ def read_records(path: Path) -> list[dict]:
 
         records = pq.read_table(path).to_pylist()
     elif path.suffix == ".jsonl":
+        records = []
         with path.open() as f:
-            records = [json.loads(line) for line in f if line.strip()]
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    records.append(_json(line, f"{path} line {number}"))
     elif path.suffix == ".json":
-        records = json.loads(path.read_text())
+        records = _json(path.read_text(), str(path))
     else:
         raise ValueError(f"{path}: unsupported file type {path.suffix!r}; expected one of {SUFFIXES}")
     for i, rec in enumerate(records):

@@ -111,6 +111,10 @@ def test_source_errors(prep, tmp_path):
     _write_jsonl(tmp_path / "allbad" / "test.jsonl", TEST)
     with pytest.raises(ValueError, match="gsm8k train: no usable records"):
         prep.preprocess(str(tmp_path / "o"), [str(tmp_path / "allbad")])
+    _write_jsonl(tmp_path / "json" / "test.jsonl", TEST)
+    (tmp_path / "json" / "train.jsonl").write_text(json.dumps(TRAIN[0]) + "\n\nnot json\n")
+    with pytest.raises(ValueError, match=r"train\.jsonl line 3: not valid JSON \(Expecting value"):
+        prep.preprocess(str(tmp_path / "o"), [str(tmp_path / "json")])
 
 
 def test_unreachable_hub_points_to_local_dataset_path(prep, tmp_path, monkeypatch):
