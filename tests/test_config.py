@@ -421,3 +421,20 @@ def test_an_added_key_with_a_typo_gets_suggestions():
     with pytest.raises(ConfigError, match=r"does not declare and grpo_npu does not have\); did you mean "
                                           r"actor_rollout_ref\.actor\.ppo_mini_batch_size"):
         load_config(BASE + ["+actor_rollout_ref.actor.ppo_mini_batchsize=2"])
+
+
+@pytest.mark.parametrize("setting", ["gpu_memory_utilization=0.3", "tensor_model_parallel_size=4", "max_num_seqs=8",
+                                     "max_num_batched_tokens=100", "load_format=auto", "enable_prefix_caching=False"])
+def test_vllm_engine_settings_are_refused_with_the_transformers_rollout(setting):
+    """They used to be accepted and ignored with rollout.name=hf, which starts no engine."""
+    name = setting.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^actor_rollout_ref\.rollout\.{name}=\S+ sets the vLLM engine, which "
+                                          r"rollout\.name=hf does not start"):
+        load_config(BASE + ["actor_rollout_ref.rollout.name=hf", f"actor_rollout_ref.rollout.{setting}"])
+    if name != "tensor_model_parallel_size":  # 4 would not fit BASE's 2 ranks
+        load_config(BASE + ["actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.{setting}"])
+
+
+def test_what_holds_for_the_transformers_rollout_too_is_accepted():
+    load_config(BASE + ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+                        "actor_rollout_ref.rollout.load_format=dummy"])

@@ -32,6 +32,12 @@ def _check_choices(obj: Any, prefix: str = "") -> None:
                 raise ConfigError(f"{key}={v!r} is not accepted; choose one of: {', '.join(map(str, choices))}")
 
 
+# actor_rollout_ref.rollout settings only the vLLM engine reads (grpo_npu/rollout/vllm_settings.py and its callers).
+VLLM_ONLY = ("gpu_memory_utilization", "enforce_eager", "free_cache_engine", "enable_sleep_mode", "sleep_level",
+             "load_format", "tensor_model_parallel_size", "max_num_batched_tokens", "max_model_len", "max_num_seqs",
+             "enable_chunked_prefill", "enable_prefix_caching", "disable_log_stats")
+
+
 def _check_finite(obj: Any, prefix: str = "") -> None:
     """Every float setting is a finite number: an lr of inf trains NaN weights that pass every later check."""
     for f in dataclasses.fields(obj):
@@ -92,6 +98,14 @@ def validate(cfg: Config) -> None:
     require(rollout.name != "hf" or rollout.dtype == "auto",
             f"actor_rollout_ref.rollout.dtype={rollout.dtype} with rollout.name=hf: that rollout generates with the "
             "actor's module in the actor's compute dtype (fsdp_config.mixed_precision.param_dtype); leave it auto")
+    if rollout.name == "hf":  # settings of the vLLM engine, which the transformers rollout does not start
+        for name in VLLM_ONLY:
+            value, default = getattr(rollout, name), getattr(type(rollout), name)
+            true_of_hf = ((name == "tensor_model_parallel_size" and value == 1)  # one copy of the model per rank
+                          or (name == "load_format" and value.startswith("dummy")))  # weights come from the actor
+            require(value == default or true_of_hf,
+                    f"actor_rollout_ref.rollout.{name}={value} sets the vLLM engine, which rollout.name=hf does not "
+                    "start (it generates with the actor's module): remove it, or use rollout.name=vllm")
     for engine, section in rollout.engine_kwargs.items():
         where = f"actor_rollout_ref.rollout.engine_kwargs.{engine}"
         require(section is None or isinstance(section, Mapping),
