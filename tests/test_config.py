@@ -438,3 +438,12 @@ def test_vllm_engine_settings_are_refused_with_the_transformers_rollout(setting)
 def test_what_holds_for_the_transformers_rollout_too_is_accepted():
     load_config(BASE + ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
                         "actor_rollout_ref.rollout.load_format=dummy"])
+
+
+def test_validation_asked_for_without_validation_files_is_refused():
+    with pytest.raises(ConfigError, match=r"^trainer\.test_freq=5 validates every 5 steps, but data\.val_files is empty"):
+        load_config(BASE + ["trainer.test_freq=5"])
+    with pytest.raises(ConfigError, match=r"^trainer\.val_only=True validates only, but data\.val_files is empty$"):
+        load_config(BASE + ["trainer.val_only=True"])
+    load_config(BASE + ["trainer.test_freq=5", "data.val_files=v.parquet"])
+    load_config(BASE)  # val_before_train=True is the default: without files there is nothing to validate

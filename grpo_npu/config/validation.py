@@ -167,6 +167,10 @@ def validate(cfg: Config) -> None:
         require(0 < ob.len <= d.max_response_length,
                 f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={d.max_response_length}]")
 
+    if not d.val_files:  # validation asked for by a non-default setting needs data to validate on
+        require(not tr.val_only, "trainer.val_only=True validates only, but data.val_files is empty")
+        require(tr.test_freq <= 0, f"trainer.test_freq={tr.test_freq} validates every {tr.test_freq} steps, but "
+                                   "data.val_files is empty: name the validation files, or set test_freq=-1")
     crf = cfg.custom_reward_function
     require(crf.path is not None or crf.name == type(crf).name,
             f"custom_reward_function.name={crf.name} names a function in custom_reward_function.path, which is not set")
