@@ -6,6 +6,7 @@ The environment defaults themselves live in :mod:`grpo_npu.env`, the error types
 
 from __future__ import annotations
 
+import signal
 import sys
 import traceback
 from typing import Callable
@@ -37,6 +38,9 @@ def exit_code(run: Callable[[], None]) -> int:
     """Run; every error leaves as one line on stderr and an exit code (the table above)."""
     try:
         run()
+    except KeyboardInterrupt:  # SIGINT while the training loop does not handle it (start-up, loading, closing)
+        print("stopped: SIGINT while the run was starting or closing (outside a training step)", file=sys.stderr)
+        return EXIT_SIGNAL_BASE + signal.SIGINT
     except Exception as exc:  # noqa: BLE001 - every error leaves as one line and an exit code
         return _report(exc)
     return EXIT_OK

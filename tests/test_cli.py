@@ -39,6 +39,17 @@ def test_missing_data_file_is_one_line_and_exit_2(tiny_model_path, tmp_path, cap
     assert code == 2 and err[-1].startswith("error: ") and "missing.parquet" in err[-1]
 
 
+def test_sigint_outside_a_training_step_is_one_line_and_exit_130(monkeypatch, capsys):
+    """Ctrl-C while the run starts (loading data, models, the engine) used to leave a KeyboardInterrupt traceback."""
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(main_ppo, "train", interrupted)
+    assert main_ppo.main(BASE) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "stopped: SIGINT while the run was starting or closing (outside a training step)"]
+
+
 def test_help_and_cfg_exit_0(capsys):
     assert main_ppo.main(["--help"]) == 0
     assert "actor_rollout_ref.rollout.name" in capsys.readouterr().out
