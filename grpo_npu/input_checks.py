@@ -61,12 +61,24 @@ def check_writable_dir(key: str, path: str) -> None:
     """``path`` exists as a writable directory, or can be created (its nearest existing parent is writable)."""
     root = Path(path).expanduser()
     probe = root
-    while not probe.exists():
-        probe = probe.parent
+    try:
+        while not probe.exists():
+            probe = probe.parent
+    except OSError as err:  # e.g. a name longer than the file system takes
+        raise UserError(f"{key}={path}: not a usable path ({err.strerror or err})") from None
     if not probe.is_dir():
         raise UserError(f"{key}={path}: {probe} is a file, not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UserError(f"{key}={path}: {probe} is not writable by this user")
+    missing = [root, *root.parents][:len(root.parts) - len(probe.parts)]  # root up to probe's child
+    try:  # create what is missing, then take it away again: a later input check may still refuse the run
+        root.mkdir(parents=True)
+    except FileExistsError:
+        pass
+    except OSError as err:
+        raise UserError(f"{key}={path}: cannot create it ({err.strerror or err})") from None
+    for made in missing:
+        made.rmdir()
 
 
 def check_loggers(loggers) -> None:

@@ -68,6 +68,21 @@ def test_unwritable_run_dir(tmp_path):
         check_writable_dir("trainer.default_local_dir", str(blocker / "run"))
     assert "is a file, not a directory" in _one_line(err)
     check_writable_dir("trainer.default_local_dir", str(tmp_path / "new" / "run"))  # creatable
+    assert not (tmp_path / "new").exists(), "the check leaves nothing behind"
+    long_name = tmp_path / ("x" * 300) / "run"
+    with pytest.raises(UserError) as err:
+        check_writable_dir("trainer.default_local_dir", str(long_name))
+    assert _one_line(err) == f"trainer.default_local_dir={long_name}: not a usable path (File name too long)"
+
+
+def test_a_run_dir_the_system_will_not_create_is_named(monkeypatch, tmp_path):
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(type(tmp_path), "mkdir", refuse)
+    with pytest.raises(UserError) as err:
+        check_writable_dir("trainer.default_local_dir", str(tmp_path / "run"))
+    assert _one_line(err) == f"trainer.default_local_dir={tmp_path / 'run'}: cannot create it (Permission denied)"
 
 
 def test_logger_package_missing(monkeypatch):
