@@ -26,10 +26,9 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -46,6 +45,7 @@ from grpo_npu.checkpoint import load_state_file
 from grpo_npu.device import Device, named_dtype
 from grpo_npu.errors import UserError
 from grpo_npu.io import atomic_path, write_json
+from grpo_npu.workers.load_errors import dcp_call, unreadable_weights
 
 log = logging.getLogger(__name__)
 
@@ -172,27 +172,6 @@ def load_hf_model(path: str, config, *, dtype: torch.dtype, value_head: bool, tr
             raise UserError(f"{key}={path}: cannot read its weights ({problem})") from exc
     with torch.device("meta"):
         return auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-def unreadable_weights(path: str) -> str | None:
-    """``<file>: <what is wrong>`` for the first weight file in directory ``path`` that cannot be parsed, else None."""
-    files = sorted(n for n in os.listdir(path) if n.endswith(WEIGHT_SUFFIXES)) if os.path.isdir(path) else []
-    for name in files:
-        file = os.path.join(path, name)
-        try:
-            if name.endswith(".safetensors"):
-                with safe_open(file, framework="pt") as f:  # the header, and that the file holds what it lists
-                    for k in f.keys():
-                        f.get_slice(k)
-            else:
-                torch.load(file, map_location="meta", weights_only=True)
-        except (SafetensorError, RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError) as exc:
-            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            return f"{file}: {text.removeprefix('Error while deserializing header: ')}"
-    return None
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -358,54 +337,12 @@ def export_hf(
 # ------------------------------------------------------------------------------------------------
 # Sharded checkpoints
 # ------------------------------------------------------------------------------------------------
-class CheckpointMismatch(UserError):
-    """A sharded checkpoint whose tensors do not fit the model it is loaded into: ``kind`` is "another shape"
-    or "another architecture", ``detail`` names the tensor (``model.embed_tokens.weight: saved [..], this model [..]``)."""
-
-    def __init__(self, in_dir: str, kind: str, detail: str):
-        super().__init__(f"checkpoint {in_dir} holds weights of {kind} than this model ({detail})")
-        self.in_dir, self.kind, self.detail = in_dir, kind, detail
-
-
-_SIZE_MISMATCH = re.compile(r"Size mismatch between saved torch\.Size\((\[.*?\])\) and current: "
-                            r"torch\.Size\((\[.*?\])\) for (\S+)")
-_MISSING_KEY = re.compile(r"Missing key in checkpoint state_dict: (\S+?)\.?$")
-
-
-def _tensor_name(fqn: str) -> str:
-    """A DCP key as the HF model names it: without the state's section and the wrapper's ``hf.``."""
-    fqn = re.sub(r"^(?:model|optimizer\.state|optimizer\.param_groups)\.", "", fqn)
-    return fqn.removeprefix("hf.")
-
-
-def _dcp(call, in_dir: str, *args: Any, **kwargs: Any) -> Any:
-    """``dcp.save`` / ``dcp.load``, whose CheckpointException (a BaseException: it would pass every handler
-    and end the process with a traceback) becomes the first failed rank's own exception; a checkpoint that
-    does not fit the model becomes :class:`CheckpointMismatch`."""
-    try:
-        return call(*args, **kwargs)
-    except CheckpointException as exc:
-        failures = [f[0] if isinstance(f, tuple) else f for _, f in sorted(exc.failures.items())]
-        first = next((f for f in failures if isinstance(f, BaseException)), None)
-        for failure in failures:
-            text = str(failure)
-            if m := _SIZE_MISMATCH.search(text):
-                raise CheckpointMismatch(in_dir, "another shape",
-                                         f"{_tensor_name(m.group(3))}: saved {m.group(1)}, this model {m.group(2)}") from exc
-            if m := _MISSING_KEY.search(text.strip()):
-                raise CheckpointMismatch(in_dir, "another architecture",
-                                         f"{_tensor_name(m.group(1))}: not in the checkpoint") from exc
-        if isinstance(first, Exception):
-            raise first from exc
-        raise RuntimeError(str(exc).strip().splitlines()[-1] if str(exc).strip() else "checkpoint failed") from exc
-
-
 def save_sharded(out_dir: str, root: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any]) -> None:
     """Each rank writes its model (+ optimizer) shard with DCP under ``out_dir/dcp`` and ``extra_rank{r}.pt``."""
     state: dict[str, Any] = {"model": get_model_state_dict(root)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(root, optimizer)
-    _dcp(dcp.save, out_dir, state, checkpoint_id=os.path.join(out_dir, DCP_SUBDIR))
+    dcp_call(dcp.save, out_dir, state, checkpoint_id=os.path.join(out_dir, DCP_SUBDIR))
     with atomic_path(os.path.join(out_dir, f"extra_rank{dist.get_rank()}.pt")) as tmp:
         torch.save(extra, tmp)
     dist.barrier()
@@ -428,7 +365,7 @@ def load_sharded(in_dir: str, root: nn.Module, optimizer: torch.optim.Optimizer 
     state: dict[str, Any] = {"model": get_model_state_dict(root)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(root, optimizer)
-    _dcp(dcp.load, in_dir, state, checkpoint_id=dcp_dir)
+    dcp_call(dcp.load, in_dir, state, checkpoint_id=dcp_dir)
     set_model_state_dict(root, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(root, optimizer, state["optimizer"])

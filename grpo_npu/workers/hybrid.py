@@ -30,7 +30,7 @@ from grpo_npu.device import get_device
 from grpo_npu.errors import UserError
 from grpo_npu.rollout import MemoryLedger, build_rollout, engine_decode_rows, run_rollout_step
 from grpo_npu.rollout.sync_check import SyncCheck, default_threshold
-from grpo_npu.workers import fsdp, lora
+from grpo_npu.workers import fsdp, load_errors, lora
 from grpo_npu.workers.actor import Actor, Policy
 from grpo_npu.workers.critic import Critic, ValueHead
 from grpo_npu.workers.response_model import (CausalLMLogProbs, build_sharded, compile_layers_on, compute_dtype_of,
@@ -326,7 +326,7 @@ class HybridWorker:
         """A checkpoint whose tensors do not fit the model built from ``key``: one line naming both."""
         try:
             yield
-        except fsdp.CheckpointMismatch as exc:
+        except load_errors.CheckpointMismatch as exc:
             path = self.cfg.critic.model.path if key == "critic.model.path" else self.cfg.actor_rollout_ref.model.path
             raise UserError(f"resume: checkpoint {in_dir} holds weights of {exc.kind} than {key}={path} "
                             f"({exc.detail})") from exc

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from grpo_npu import checkpoint as ckpt_lib
 from grpo_npu.errors import UserError
-from grpo_npu.workers import fsdp
+from grpo_npu.workers import fsdp, load_errors
 
 from .helpers import make_cfg, make_worker
 
@@ -37,7 +37,7 @@ class _Wrapper(nn.Module):
 
 def test_a_checkpoint_of_another_shape_is_a_mismatch_naming_the_tensor(tmp_path):
     fsdp.save_sharded(str(tmp_path / "actor"), _Wrapper(4), None, {"step": 1})
-    with pytest.raises(fsdp.CheckpointMismatch) as info:
+    with pytest.raises(load_errors.CheckpointMismatch) as info:
         fsdp.load_sharded(str(tmp_path / "actor"), _Wrapper(6), None)
     assert info.value.kind == "another shape"
     assert info.value.detail == "model.embed_tokens.weight: saved [16, 4], this model [16, 6]"
@@ -61,7 +61,7 @@ def worker(tiny_model_path):
 def test_resume_into_a_model_of_another_shape_is_one_line_naming_the_key(worker, tiny_model_path, tmp_path,
                                                                           monkeypatch):
     def mismatch(in_dir, root, optimizer):
-        raise fsdp.CheckpointMismatch(in_dir, "another shape", "model.embed_tokens.weight: saved [1, 2], this model [1, 3]")
+        raise load_errors.CheckpointMismatch(in_dir, "another shape", "model.embed_tokens.weight: saved [1, 2], this model [1, 3]")
 
     monkeypatch.setattr(fsdp, "load_sharded", mismatch)
     with pytest.raises(UserError) as info:
@@ -122,4 +122,4 @@ def test_other_load_failures_are_not_blamed_on_readable_weights(tiny_model_path,
     monkeypatch.setattr(fsdp.AutoModelForCausalLM, "from_pretrained", broken)
     with pytest.raises(RuntimeError, match="a bug somewhere"):
         fsdp.load_hf_model(tiny_model_path, config, dtype=torch.float32, value_head=False, trust_remote_code=False)
-    assert fsdp.unreadable_weights(tiny_model_path) is None
+    assert load_errors.unreadable_weights(tiny_model_path) is None
