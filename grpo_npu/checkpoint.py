@@ -320,6 +320,10 @@ class CheckpointManager:
 
     def resolve_resume(self, resume_mode: str, resume_from_path: str | None = None) -> tuple[int, Path] | None:
         """What to resume from: auto (latest, or None), disable (None), resume_path (that checkpoint)."""
+        if resume_from_path and resume_mode != "resume_path":  # verl reads it in resume_path mode only
+            logger.warning("trainer.resume_from_path=%s is read only with trainer.resume_mode=resume_path; this run's "
+                           "resume_mode=%s %s", resume_from_path, resume_mode,
+                           "starts fresh" if resume_mode == "disable" else f"looks for checkpoints in {self.root}")
         if resume_mode == "disable":
             return None
         if resume_mode == "auto":

@@ -120,6 +120,22 @@ def test_abort_and_begin_cleans_own_attempt(tmp_path):
         mgr.commit(4, again)
 
 
+def test_a_resume_path_outside_resume_path_mode_is_said_to_be_unused(tmp_path, caplog):
+    """verl reads trainer.resume_from_path only with resume_mode=resume_path (10 of its example lines set it
+    with auto): kept for those lines, and the run says what it does instead."""
+    mgr = CheckpointManager(tmp_path / "run")
+    _save(mgr, 6)
+    other = str(tmp_path / "other" / "global_step_2")
+    with caplog.at_level("WARNING", logger="grpo_npu.checkpoint"):
+        assert mgr.resolve_resume("auto", other) == (6, mgr.step_dir(6))
+        assert mgr.resolve_resume("disable", other) is None
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"trainer.resume_from_path={other} is read only with trainer.resume_mode=resume_path; this run's "
+                    f"resume_mode=auto looks for checkpoints in {mgr.root}",
+                    f"trainer.resume_from_path={other} is read only with trainer.resume_mode=resume_path; this run's "
+                    "resume_mode=disable starts fresh"]
+
+
 def test_resolve_resume_modes(tmp_path):
     mgr = CheckpointManager(tmp_path / "run")
     assert mgr.resolve_resume("auto") is None  # nothing yet: start from scratch
