@@ -8,28 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from grpo_npu.algo.names import FILTER_METRICS, ROLLOUT_IS_LEVELS, parse_rollout_rs
 from grpo_npu.config.derived import derive, require
 from grpo_npu.config.schema import Config
 from grpo_npu.errors import ConfigError
-
-
-def _check_choices(obj: Any, prefix: str = "") -> None:
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
-            _check_choices(value, key + ".")
-            continue
-        choices = f.metadata.get("choices")
-        if not choices:
-            continue
-        values = value if isinstance(value, tuple) else (value,)
-        for v in values:
-            if v not in choices:
-                raise ConfigError(f"{key}={v!r} is not accepted; choose one of: {', '.join(map(str, choices))}")
 
 
 # actor_rollout_ref.rollout settings only the vLLM engine reads (grpo_npu/rollout/vllm_settings.py and its callers).
@@ -38,15 +22,29 @@ VLLM_ONLY = ("gpu_memory_utilization", "enforce_eager", "free_cache_engine", "en
              "enable_chunked_prefill", "enable_prefix_caching", "disable_log_stats")
 
 
-def _check_finite(obj: Any, prefix: str = "") -> None:
-    """Every float setting is a finite number: an lr of inf trains NaN weights that pass every later check."""
+def _settings(obj: Any, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, tuple]]:
+    """(dotted key, field, its values) of every setting below ``obj``; a tuple or list setting gives its items."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         key = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
-            _check_finite(value, key + ".")
-            continue
-        for v in value if isinstance(value, (tuple, list)) else (value,):
+            yield from _settings(value, key + ".")
+        else:
+            yield key, f, tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _check_choices(cfg: Config) -> None:
+    for key, f, values in _settings(cfg):
+        choices = f.metadata.get("choices")
+        for v in values if choices else ():
+            if v not in choices:
+                raise ConfigError(f"{key}={v!r} is not accepted; choose one of: {', '.join(map(str, choices))}")
+
+
+def _check_finite(cfg: Config) -> None:
+    """Every float setting is a finite number: an lr of inf trains NaN weights that pass every later check."""
+    for key, _, values in _settings(cfg):
+        for v in values:
             if isinstance(v, float) and not math.isfinite(v):
                 raise ConfigError(f"{key}={v!r} is not accepted: expected a finite number")
 
