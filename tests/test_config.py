@@ -447,3 +447,17 @@ def test_validation_asked_for_without_validation_files_is_refused():
         load_config(BASE + ["trainer.val_only=True"])
     load_config(BASE + ["trainer.test_freq=5", "data.val_files=v.parquet"])
     load_config(BASE)  # val_before_train=True is the default: without files there is nothing to validate
+
+
+def test_interpolations_on_the_command_line_resolve_against_the_whole_config(monkeypatch):
+    """Hydra resolves ${...} in an override against the composed config: a key left at its default counts, and
+    a resolver's colon is not a dict's."""
+    monkeypatch.setenv("GRPO_NPU_TEST_RUN", "r7")
+    cfg = load_config(BASE + ["trainer.experiment_name=run_${trainer.project_name}",
+                              "trainer.default_local_dir=/tmp/${oc.env:GRPO_NPU_TEST_RUN}",
+                              "data.train_files=t.parquet", "data.val_files=${data.train_files}"])
+    assert cfg.trainer.experiment_name == f"run_{cfg.trainer.project_name}"
+    assert cfg.trainer.default_local_dir == "/tmp/r7"
+    assert list(cfg.data.val_files) == ["t.parquet"]
+    with pytest.raises(ConfigError, match=r"^trainer\.experiment_name: Interpolation key 'trainer\.nope' not found"):
+        load_config(BASE + ["trainer.experiment_name=${trainer.nope}"])

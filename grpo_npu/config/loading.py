@@ -102,7 +102,8 @@ def read_overrides(items: list[str]) -> Overrides:
     tree = OmegaConf.create()
     for key, value in values.items():
         try:
-            tree.merge_with(OmegaConf.from_dotlist([f"{key}={_quoted_if_text(key, hydra_flow_to_yaml(value))}"]))
+            flow = value if "${" in value else hydra_flow_to_yaml(value)  # an interpolation keeps its own colons
+            tree.merge_with(OmegaConf.from_dotlist([f"{key}={_quoted_if_text(key, flow)}"]))
         except (OmegaConfBaseException, yaml.YAMLError) as exc:
             text = str(exc).strip()
             first = text.splitlines()[0] if text else type(exc).__name__
@@ -153,6 +154,8 @@ def _check_tree(node: Any, path: list[str], source: str, verl_only: list[tuple[s
 def _listify(node: DictConfig, path: list[str] = ()) -> None:
     """A scalar given for a list key becomes a one-element list (``data.train_files=a.parquet``)."""
     for k in list(node.keys()):
+        if OmegaConf.is_interpolation(node, k):  # ${other.key}: resolved against the whole config after the merge
+            continue
         value = node[k]
         sub = list(path) + [str(k)]
         if isinstance(value, DictConfig):
