@@ -79,7 +79,8 @@ class Trainer:
             self.total_steps = t.total_training_steps or len(self.loader) * t.total_epochs
 
             compute_score = make_compute_score(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
-                                               dict(cfg.reward_model.reward_kwargs))
+                                               dict(cfg.reward_model.reward_kwargs),  # the data's scorers exist
+                                               [*self.train_set.data_sources, *(self.val_set.data_sources if self.val_set else [])])
             rm = cfg.reward_model
             ob = rm.overlong_buffer
             sandbox = SandboxSettings(timeout_s=rm.timeout_s, fallback_score=rm.fallback_score,

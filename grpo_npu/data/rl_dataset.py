@@ -260,6 +260,11 @@ class RLDataset:
     def __len__(self) -> int:
         return len(self._token_ids)
 
+    @property
+    def data_sources(self) -> list[str]:
+        """The distinct data sources of the kept rows (the reward is chosen by them), sorted."""
+        return sorted(set(self._data_sources))
+
     def __getitem__(self, i: int) -> PromptItem:
         ids = self._token_ids[i]
         input_ids, attention_mask, position_ids = left_pad(ids, self.max_prompt_length, self.tokenizer.pad_token_id)

@@ -13,7 +13,7 @@ reward sandbox (:func:`runs_in_process`, :mod:`grpo_npu.reward.parallel`).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from grpo_npu.data.schema import GSM8K_DATA_SOURCE, SYNTHETIC_DATA_SOURCE
 from grpo_npu.reward import gsm8k, math as math_reward
@@ -78,13 +78,21 @@ def runs_in_process(fn: Callable, data_source: str) -> bool:
 
 
 def make_compute_score(
-    custom_path: str | None = None, custom_name: str = DEFAULT_NAME, reward_kwargs: dict | None = None
+    custom_path: str | None = None, custom_name: str = DEFAULT_NAME, reward_kwargs: dict | None = None,
+    data_sources: Iterable[str] = (),
 ) -> Callable[..., Any]:
     """``fn(data_source, solution_str, ground_truth, extra_info)``: the user's function or the built-ins.
 
+    Without a custom function every one of ``data_sources`` (the data's) must have a built-in scorer: an
+    unknown one is refused here, before any model loads, rather than at the first step's rewards.
     The result pickles (a module-level partial or a :class:`FileFunction`), so a process pool can use it.
     """
     kwargs = dict(reward_kwargs or {})
     if custom_path:
         return FileFunction(custom_path, custom_name, kwargs)
+    unknown = sorted(set(data_sources) - set(_SCORERS))
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise ValueError(f"no built-in reward for data_source={unknown[0]!r} in the data{more}; known: "
+                         f"{known_data_sources()}. Score it with custom_reward_function.path=<file.py> (and .name=<function>)")
     return functools.partial(compute_score, **kwargs)

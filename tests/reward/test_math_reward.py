@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_npu.reward import compute_score, known_data_sources, math as math_reward
+from grpo_npu.reward import compute_score, known_data_sources, make_compute_score, math as math_reward
 
 
 @pytest.mark.parametrize("text, boxed", [
@@ -81,3 +81,13 @@ def test_dispatch_by_exact_data_source():
     assert {"openai/gsm8k", "lighteval/MATH", "math_dapo", "grpo_npu/arithmetic"} <= set(known_data_sources())
     with pytest.raises(NotImplementedError, match=r"data_source='OpenAI/GSM8K'; known: \[.*'openai/gsm8k'.*custom_reward_function.path"):
         compute_score("OpenAI/GSM8K", "#### 5", "5")
+
+
+def test_data_without_a_built_in_scorer_is_refused_before_training():
+    """An unknown data_source used to surface at the first step's rewards, after the models had loaded."""
+    with pytest.raises(ValueError, match=r"^no built-in reward for data_source='my/ds' in the data \(and 1 more\); "
+                                         r"known: \[.*'openai/gsm8k'.*custom_reward_function\.path"):
+        make_compute_score(data_sources=["openai/gsm8k", "my/ds", "other/ds"])
+    assert make_compute_score(data_sources=["openai/gsm8k"])("openai/gsm8k", "#### 5", "5")["score"] == 1.0
+    make_compute_score(custom_path=__file__, custom_name="test_dispatch_by_exact_data_source",
+                       data_sources=["my/ds"])  # a custom function scores whatever the data holds
