@@ -171,12 +171,6 @@ def is_complete(path: str | os.PathLike) -> bool:
     return (Path(path) / COMPLETE_MARKER).is_file()
 
 
-def _scratch_step(tmp: Path) -> str:
-    """The N of a ``.tmp_global_step_N_<pid>`` directory (its name when it is not one)."""
-    match = _SCRATCH_DIR.match(tmp.name)
-    return match.group(1) if match else tmp.name
-
-
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -244,7 +238,7 @@ class CheckpointManager:
             # A leftover of an earlier run at this step is moved aside, and deleted once the latest file moved.
             trash = commit_dir(tmp, final, trash=self.root / f"{TRASH_PREFIX}{step}_{os.getpid()}")
         except BaseException as exc:  # not committed: nothing of it stays (a marker written half is no marker)
-            raise self.abort(tmp, exc)
+            raise self.abort(step, tmp, exc)
         try:
             write_atomic(self.latest_file, f"{step}\n")
         except Exception as exc:  # the checkpoint is committed; discovery finds it without the latest file
@@ -254,11 +248,12 @@ class CheckpointManager:
         self._apply_retention(step)
         return final
 
-    def abort(self, tmp: str | os.PathLike, exc: BaseException | None = None) -> BaseException | None:
-        """Discard an uncommitted temporary directory; given the error that stopped writing it, returns the
-        error to raise: a one-line UserError naming the checkpoint when its device is full, else ``exc``."""
+    def abort(self, step: int, tmp: str | os.PathLike, exc: BaseException | None = None) -> BaseException | None:
+        """Discard the uncommitted temporary directory of checkpoint ``step``; given the error that stopped
+        writing it, returns the error to raise: a one-line UserError naming the checkpoint when its device is
+        full, else ``exc``."""
         tmp = Path(tmp)
-        full = out_of_space(self.root / f"{STEP_PREFIX}{_scratch_step(tmp)}", exc, tmp) if exc is not None else None
+        full = out_of_space(self.step_dir(step), exc, tmp) if exc is not None else None
         shutil.rmtree(tmp, ignore_errors=True)
         return full or exc
 

@@ -339,7 +339,7 @@ class Trainer:
                 "optim": optim_settings(self.cfg),
             }, tmp / TRAINER_STATE)
         except BaseException as exc:  # nothing of it is kept; a full disk is said in one line naming the checkpoint
-            raise self.ckpt.abort(tmp, exc)
+            raise self.ckpt.abort(step, tmp, exc)
         self.ckpt.commit(step, tmp)
         log.info("saved checkpoint global_step_%d", step)
         return time.perf_counter() - start

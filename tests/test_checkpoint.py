@@ -113,7 +113,7 @@ def test_abort_and_begin_cleans_own_attempt(tmp_path):
     (tmp / "partial").write_text("x")
     again = mgr.begin(4)  # same process, same step: a fresh, empty directory
     assert again == tmp and list(again.iterdir()) == []
-    mgr.abort(again)
+    mgr.abort(4, again)
     assert not again.exists()
     assert mgr.latest() is None
     with pytest.raises(FileNotFoundError, match="begin"):

@@ -54,16 +54,16 @@ def test_abort_says_out_of_space_only_when_the_disk_is_full(tmp_path, monkeypatc
     torn = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     monkeypatch.setattr(ckpt_lib.shutil, "disk_usage", lambda p: _Usage(1 << 40, 0, 1 << 40))
     tmp = mgr.begin(2)
-    assert mgr.abort(tmp, torn) is torn and not tmp.exists()  # plenty of space: the error as it is
+    assert mgr.abort(2, tmp, torn) is torn and not tmp.exists()  # plenty of space: the error as it is
     stop = KeyboardInterrupt()
-    assert mgr.abort(mgr.begin(2), stop) is stop
+    assert mgr.abort(2, mgr.begin(2), stop) is stop
     monkeypatch.setattr(ckpt_lib.shutil, "disk_usage", lambda p: _Usage(65536, 65536, 0))
     tmp = mgr.begin(2)
-    full = mgr.abort(tmp, torn)
+    full = mgr.abort(2, tmp, torn)
     assert isinstance(full, UserError) and not tmp.exists()
     assert str(full).startswith(f"checkpoint {tmp_path / 'global_step_2'}: no space left on the device (0 bytes free")
-    assert mgr.abort(mgr.begin(2), stop) is stop  # Ctrl-C is never a disk error
-    assert mgr.abort(mgr.begin(2)) is None  # the old call
+    assert mgr.abort(2, mgr.begin(2), stop) is stop  # Ctrl-C is never a disk error
+    assert mgr.abort(2, mgr.begin(2)) is None  # the old call
 
 
 # -- no empty metrics.jsonl ---------------------------------------------------------------------------------

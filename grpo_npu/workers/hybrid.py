@@ -23,7 +23,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer, GenerationConfig
 
 from grpo_npu.batch import RolloutBatch
-from grpo_npu.checkpoint import STEP_PREFIX, out_of_space
+from grpo_npu.checkpoint import CheckpointManager, out_of_space
 from grpo_npu.config import Config, derive
 from grpo_npu.determinism import make_deterministic
 from grpo_npu.device import get_device
@@ -134,13 +134,14 @@ class HybridWorker:
                               share_prefix=share)
         if d.use_critic:
             cm = cfg.critic.model
+            path_key, path = self._critic_weights()
             critic_module = build_sharded(
-                ValueHead, path=cm.path or model.path, override_config=dict(cm.override_config),
+                ValueHead, path=path, override_config=dict(cm.override_config),
                 trust_remote_code=cm.trust_remote_code, fsdp_cfg=cm.fsdp_config, dev=dev,
                 compute_dtype=dtypes["critic"], trainable=True,
                 gradient_checkpointing=cm.enable_gradient_checkpointing, fused_kernels=fused, value_head=True,
                 seed=cfg.trainer.seed, remove_padding=cm.use_remove_padding, onednn_linear=onednn,
-                compile_layers=compiled, path_key=self._critic_path_key(),
+                compile_layers=compiled, path_key=path_key,
             )
             self.critic = Critic(critic_module, dev, cfg.critic, d, default_agg_mode=arr.actor.loss_agg_mode,
                                  total_steps=total_steps, seed=cfg.trainer.seed)
@@ -270,12 +271,12 @@ class HybridWorker:
     def save_checkpoint(self, out_dir: str, step: int) -> None:
         """This rank's shards of actor (and critic) model + optimizer + scheduler + RNG under ``out_dir``.
 
-        A full disk is a UserError naming the checkpoint (``global_step_<step>`` beside ``out_dir``)."""
+        A full disk is a UserError naming the checkpoint ``out_dir`` becomes (``global_step_<step>`` beside it)."""
         try:
             self._save_checkpoint(out_dir, step)
         except Exception as exc:
-            full = out_of_space(os.path.join(os.path.dirname(os.path.abspath(out_dir)), f"{STEP_PREFIX}{step}"),
-                                exc, out_dir)
+            final = CheckpointManager(os.path.dirname(os.path.abspath(out_dir))).step_dir(step)
+            full = out_of_space(final, exc, out_dir)
             if full is None:
                 raise
             raise full from exc
@@ -301,7 +302,7 @@ class HybridWorker:
         """Restore what :meth:`save_checkpoint` wrote, on any number of ranks; returns the saved step."""
         contents = set(self.cfg.actor_rollout_ref.actor.checkpoint.load_contents)
         actor = self._need("actor")
-        with params_on(actor.module, self.dev, actor.param_offload), self._fits(in_dir, MODEL_PATH_KEY):
+        with params_on(actor.module, self.dev, actor.param_offload), self._fits(in_dir, MODEL_PATH_KEY, self.cfg.actor_rollout_ref.model.path):
             extra = fsdp.load_sharded(os.path.join(in_dir, ACTOR_DIR), actor.module,
                                       actor.loop.optimizer if "optimizer" in contents else None)
         if "extra" in contents:
@@ -312,22 +313,24 @@ class HybridWorker:
                 self.dev.seed_everything(self.cfg.trainer.seed + RESHARD_SEED_STRIDE * int(extra["step"]) + dist.get_rank())
         if self.critic is not None:
             with params_on(self.critic.module, self.dev, self.critic.param_offload), \
-                    self._fits(in_dir, self._critic_path_key()):
+                    self._fits(in_dir, *self._critic_weights()):
                 self.critic.loop.load_extra(fsdp.load_sharded(os.path.join(in_dir, CRITIC_DIR), self.critic.module,
                                                               self.critic.loop.optimizer))
         return int(extra["step"])
 
-    def _critic_path_key(self) -> str:
-        """The key that names the critic's weights: critic.model.path, else the actor's it falls back to."""
-        return "critic.model.path" if self.cfg.critic.model.path else MODEL_PATH_KEY
+    def _critic_weights(self) -> tuple[str, str]:
+        """The key that names the critic's weights and its value: critic.model.path, else the actor's it
+        falls back to."""
+        if self.cfg.critic.model.path:
+            return "critic.model.path", self.cfg.critic.model.path
+        return MODEL_PATH_KEY, self.cfg.actor_rollout_ref.model.path
 
     @contextlib.contextmanager
-    def _fits(self, in_dir: str, key: str):
-        """A checkpoint whose tensors do not fit the model built from ``key``: one line naming both."""
+    def _fits(self, in_dir: str, key: str, path: str):
+        """A checkpoint whose tensors do not fit the model built from ``key=path``: one line naming both."""
         try:
             yield
         except load_errors.CheckpointMismatch as exc:
-            path = self.cfg.critic.model.path if key == "critic.model.path" else self.cfg.actor_rollout_ref.model.path
             raise UserError(f"resume: checkpoint {in_dir} holds weights of {exc.kind} than {key}={path} "
                             f"({exc.detail})") from exc
 

@@ -123,3 +123,24 @@ def test_other_load_failures_are_not_blamed_on_readable_weights(tiny_model_path,
     with pytest.raises(RuntimeError, match="a bug somewhere"):
         fsdp.load_hf_model(tiny_model_path, config, dtype=torch.float32, value_head=False, trust_remote_code=False)
     assert load_errors.unreadable_weights(tiny_model_path) is None
+
+
+@pytest.mark.parametrize("own_path", [False, True])
+def test_a_critic_of_another_shape_names_the_key_its_weights_came_from(tiny_model_path, tmp_path, monkeypatch, own_path):
+    """The critic's weights come from critic.model.path, else from the actor's path: the line names that key."""
+    extra = [f"critic.model.path={tiny_model_path}"] if own_path else []
+    critic = make_worker(make_cfg(tiny_model_path, "algorithm.adv_estimator=gae", "critic.optim.lr=1e-4", *extra))
+    real = fsdp.load_sharded
+
+    def critic_mismatch(in_dir, root, optimizer):
+        if in_dir.endswith("critic"):
+            raise load_errors.CheckpointMismatch(in_dir, "another shape", "v_head.weight: saved [1, 2], this model [1, 3]")
+        return real(in_dir, root, optimizer)
+
+    critic.save_checkpoint(str(tmp_path / "global_step_1"), 1)
+    monkeypatch.setattr(fsdp, "load_sharded", critic_mismatch)
+    with pytest.raises(UserError) as info:
+        critic.load_checkpoint(str(tmp_path / "global_step_1"))
+    key = "critic.model.path" if own_path else "actor_rollout_ref.model.path"
+    assert str(info.value) == (f"resume: checkpoint {tmp_path / 'global_step_1'} holds weights of another shape than "
+                               f"{key}={tiny_model_path} (v_head.weight: saved [1, 2], this model [1, 3])")
