@@ -372,10 +372,12 @@ class Device:
         return True
 
     def env_has_expandable_segments(self, environ: dict[str, str] | None = None) -> bool:
-        """Whether the allocator environment variable turns expandable segments on."""
+        """Whether the allocator environment variable turns expandable segments on. On NPU only
+        PYTORCH_NPU_ALLOC_CONF counts: torch_npu (2.5.1, 2.7.1, 2.10.0.post4: its Python files and libraries)
+        never reads torch's generic PYTORCH_ALLOC_CONF, which CUDA's allocator falls back to."""
         environ = os.environ if environ is None else environ
         name = self.alloc_conf_env or "PYTORCH_CUDA_ALLOC_CONF"
-        conf = environ.get(name, "") or environ.get("PYTORCH_ALLOC_CONF", "")
+        conf = environ.get(name, "") or ("" if self.kind == "npu" else environ.get("PYTORCH_ALLOC_CONF", ""))
         return "expandable_segments:true" in conf.replace(" ", "").lower()
 
     # -- randomness ---------------------------------------------------------------------------

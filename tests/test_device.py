@@ -101,6 +101,14 @@ def test_expandable_segments_env_parsing():
     assert D.Device("cuda").env_has_expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
 
 
+def test_npu_reads_only_its_own_allocator_variable():
+    """torch_npu reads PYTORCH_NPU_ALLOC_CONF and never torch's generic PYTORCH_ALLOC_CONF (2.5.1, 2.7.1 and
+    2.10.0.post4 wheels: no other allocator variable in their Python files or libraries)."""
+    generic = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    assert not D.Device("npu").env_has_expandable_segments(generic)
+    assert D.Device("cuda").env_has_expandable_segments(generic)  # CUDA's allocator falls back to it
+
+
 def test_runtime_allocator_toggle_uses_the_device_module(monkeypatch):
     calls = []
 
