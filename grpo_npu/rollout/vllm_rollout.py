@@ -72,8 +72,9 @@ from grpo_npu.rollout.base import GenerationOutput, Rollout, SamplingConfig, pac
 from grpo_npu.rollout.vllm_cpu_sync import direct_sync_unsupported
 from grpo_npu.rollout.vllm_lora import AdapterSync, engine_adapter_sync, lora_engine_kwargs
 from grpo_npu.rollout.vllm_settings import (IDLE_LOGPROBS_MODE, LOGPROBS_MODE, check_engine_arguments,
-                                            check_expandable_segments, default_sleep_level, engine_refusal,
-                                            engine_environment, sampling_params, vllm_engine_kwargs)
+                                            check_expandable_segments, check_vllm_ascend_pool_environment,
+                                            default_sleep_level, engine_refusal, engine_environment,
+                                            sampling_params, vllm_engine_kwargs)
 from grpo_npu.rollout.vllm_weights import (SYNC_PATHS, engine_tensors, hide_benign_reload_warnings,
                                            load_weights_on_worker)
 
@@ -359,6 +360,7 @@ def build_vllm_rollout(
     if cfg.enable_sleep_mode and not sleep_mode:
         log.info("vllm rollout: no sleep mode on %s; sleep/wake_up are no-ops and the engine keeps its memory", device.kind)
     check_expandable_segments(sleep_mode, device.env_has_expandable_segments(), device.alloc_conf_env)
+    check_vllm_ascend_pool_environment(sleep_mode, device.kind, stack.versions.get("vllm_ascend"), os.environ)
     for key, value in engine_environment(device.kind, sleep_mode, os.environ).items():
         if os.environ.get(key) != value:
             log.info("vllm rollout: setting %s=%s", key, value)

@@ -10,6 +10,7 @@ import difflib
 import logging
 from typing import TYPE_CHECKING, Any, Collection, Mapping, Optional, Sequence
 
+from grpo_npu.compat import parse_version
 from grpo_npu.config import RolloutConfig
 
 if TYPE_CHECKING:  # torch-free at import
@@ -44,6 +45,8 @@ LOGPROBS_MODE = "processed_logprobs"
 # a generate call that asks for none switches the sampler to this one (VLLMRollout.generate).
 IDLE_LOGPROBS_MODE = "raw_logprobs"
 _NZ_ENV = "VLLM_ASCEND_ENABLE_NZ"
+_CUDA_ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+_ASCEND_POOL_READS_NPU = (0, 9, 2)  # first vllm-ascend whose sleep-mode pool reads PYTORCH_NPU_ALLOC_CONF
 
 
 def default_sleep_level(device_kind: str, configured: Optional[int] = None, lora_adapters: bool = False) -> int:
@@ -83,6 +86,24 @@ def check_expandable_segments(sleep_mode: bool, env_has_expandable_segments: boo
             "actor_rollout_ref.rollout.enable_sleep_mode=True: vLLM's sleep-mode memory pool refuses expandable "
             f"segments set in the environment; unset it from {alloc_conf_env or 'the allocator variable'} "
             "(where torch_npu has the run-time toggle, grpo_npu turns them on for training itself: docs/npu.md section 5)"
+        )
+
+
+def check_vllm_ascend_pool_environment(sleep_mode: bool, device_kind: str, vllm_ascend: Optional[str],
+                                       environ: Mapping[str, str]) -> None:
+    """Refuse (one line) what vllm-ascend's sleep-mode pool asserts against where it reads another variable than
+    torch_npu's: up to 0.9.1 its ``CaMemAllocator`` looks for expandable_segments:True in CUDA's
+    ``PYTORCH_CUDA_ALLOC_CONF`` (0.7.3.post1 ``device_allocator/camem.py:155``; 0.9.2rc1 on, and 0.11.0rc1 /
+    0.23.0, read ``PYTORCH_NPU_ALLOC_CONF``, which :func:`check_expandable_segments` covers)."""
+    version = parse_version(vllm_ascend)
+    if not (sleep_mode and device_kind == "npu") or version is None or version.release[:3] >= _ASCEND_POOL_READS_NPU:
+        return
+    conf = environ.get(_CUDA_ALLOC_CONF, "")
+    if "expandable_segments:true" in conf.replace(" ", "").lower():
+        raise ValueError(
+            f"{_CUDA_ALLOC_CONF}={conf} with actor_rollout_ref.rollout.enable_sleep_mode=True: vllm-ascend "
+            f"{vllm_ascend}'s sleep-mode memory pool refuses expandable segments in CUDA's variable (it reads "
+            f"PYTORCH_NPU_ALLOC_CONF only from 0.9.2; torch_npu never reads it); unset {_CUDA_ALLOC_CONF}"
         )
 
 

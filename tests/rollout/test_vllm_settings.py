@@ -14,6 +14,7 @@ from grpo_npu.rollout.vllm_settings import (
     CPU_KV_CACHE_BYTES,
     check_engine_arguments,
     check_expandable_segments,
+    check_vllm_ascend_pool_environment,
     default_sleep_level,
     engine_environment,
     engine_refusal,
@@ -63,6 +64,20 @@ def test_expandable_segments_in_env_conflict_with_sleep_mode():
     assert "PYTORCH_NPU_ALLOC_CONF" in message and "enable_sleep_mode=True" in message and "unset" in message
     check_expandable_segments(False, True, npu.alloc_conf_env)  # no sleep mode: no conflict
     check_expandable_segments(True, False, npu.alloc_conf_env)
+
+
+def test_vllm_ascend_before_0_9_2_refuses_expandable_segments_in_cudas_variable():
+    """Its CaMemAllocator asserts on PYTORCH_CUDA_ALLOC_CONF up to 0.9.1 (0.7.3.post1 device_allocator/camem.py:155)
+    and on PYTORCH_NPU_ALLOC_CONF from 0.9.2rc1 (0.11.0rc1 line 147, 0.23.0 line 152)."""
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    with pytest.raises(ValueError) as err:
+        check_vllm_ascend_pool_environment(True, "npu", "0.7.3.post1", env)
+    assert "\n" not in str(err.value) and "unset PYTORCH_CUDA_ALLOC_CONF" in str(err.value)
+    check_vllm_ascend_pool_environment(True, "npu", "0.9.2rc1", env)  # reads the NPU's variable
+    check_vllm_ascend_pool_environment(True, "npu", "0.11.0rc1", env)
+    check_vllm_ascend_pool_environment(False, "npu", "0.7.3.post1", env)  # no sleep mode, no pool
+    check_vllm_ascend_pool_environment(True, "cuda", None, env)  # CUDA: check_expandable_segments's business
+    check_vllm_ascend_pool_environment(True, "npu", "0.7.3.post1", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"})
 
 
 def _kwargs(device_kind="cpu", engine_dtype=torch.float32, norm_kernels=False, **overrides):

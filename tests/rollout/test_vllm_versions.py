@@ -124,3 +124,22 @@ def test_build_on_the_quickstart_stack(monkeypatch, caplog):
     # the engine allocates with expandable segments off; training gets them back once it sleeps
     assert calls == ["expandable_segments:False", "LLM()", "sleep(1)", "empty_cache", "expandable_segments:True"]
     assert rollout.sleep_level == 1 and not rollout.tagged_wake_up and rollout.logprobs
+
+
+def test_quickstart_build_refuses_expandable_segments_where_its_pool_reads_them(monkeypatch):
+    """vllm-ascend 0.7.3.post1's sleep-mode pool asserts on PYTORCH_CUDA_ALLOC_CONF (device_allocator/camem.py:155),
+    not on torch_npu's variable: refused in one line before the engine is built."""
+    import vllm
+
+    calls: list[str] = []
+    BuiltLLM.device, BuiltLLM.made = RecordingDevice(calls), []
+    monkeypatch.setattr(vllm, "LLM", BuiltLLM)
+    monkeypatch.setattr(compat, "current", lambda: _stack())
+    monkeypatch.setattr(vr, "platform_has_sleep_mode", lambda stack: True)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(ValueError, match="unset PYTORCH_CUDA_ALLOC_CONF"):
+        vr.build_vllm_rollout(RolloutConfig(tensor_model_parallel_size=1), model_path="/m", device=BuiltLLM.device,
+                              prompt_length=8, response_length=8, pad_token_id=0, eos_token_ids=[2])
+    assert BuiltLLM.made == []
