@@ -147,8 +147,8 @@ def _attention_npu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         keep = attn_mask if attn_mask.dim() == 4 else attn_mask[None, None]  # (B|1, N|1, Sq|1, Skv)
         if causal:
             keep = keep & bottom_right_causal(sq, skv, q.device)
-        # the kernel takes BNSS / B1SS / 11SS / SS: expand broadcast q/kv dims
-        keep = keep.expand(keep.shape[0], keep.shape[1], sq, skv)
+        # the kernel takes BNSS / B1SS / 11SS / SS, not 1NSS: expand broadcast q/kv dims, and the batch of a per-head mask
+        keep = keep.expand(q.shape[0] if keep.shape[1] > 1 else keep.shape[0], keep.shape[1], sq, skv)
         # A query row with no key to attend (left padding) must not reach the kernel: its docs make
         # such rows lose precision (BSND) or forbid them (TND, torch_npu >= 2.7.1). The row attends
         # to every key instead and its output is zeroed below, as torch SDPA returns for it.

@@ -351,8 +351,9 @@ def npu_fusion_attention(
             masked = _causal_masked(sq, skv, sparse_mode == 3, query.device)
         elif atten_mask is not None:
             m = atten_mask.bool()
+            # BNSS, B1SS, 11SS or SS (all three versions' docs): a per-head mask needs the batch dim too (no 1NSS)
             ok = m.shape[-2:] == (sq, skv) and (
-                m.dim() == 2 or (m.dim() == 4 and m.shape[0] in (1, b) and m.shape[1] in (1, n_q))
+                m.dim() == 2 or (m.dim() == 4 and tuple(m.shape[:2]) in ((b, n_q), (b, 1), (1, 1)))
             )
             _require(
                 ok,

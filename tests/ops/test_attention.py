@@ -165,6 +165,14 @@ def test_npu_branch_broadcast_padding_mask(fake_npu):
     _compare_branches(fake_npu, {"causal": False, "attn_mask": keep}, q, k, v, tol={})
 
 
+def test_npu_branch_per_head_mask_shared_by_the_batch(fake_npu):
+    """A (1, Nq, Sq, Skv) mask reaches the kernel as BNSS: its docs take BNSS, B1SS, 11SS or SS, not 1NSS."""
+    q, k, v = _qkv(2, 5, 5, 4, 2, 16)
+    keep = torch.rand(1, 4, 5, 5) > 0.4
+    keep[..., 0] = True  # every query row keeps a key
+    _compare_branches(fake_npu, {"causal": False, "attn_mask": keep}, q, k, v, tol={})
+
+
 @pytest.mark.parametrize("lengths", LENGTHS + [[0, 3, 2]])
 def test_npu_branch_varlen_matches_reference(lengths, fake_npu):
     t = sum(lengths)

@@ -147,6 +147,11 @@ def test_fusion_attention_layout_checks():
         npu.npu_fusion_attention(q, k, v, 4, "BSND", atten_mask=torch.zeros(1, 5, dtype=torch.bool))
     with pytest.raises(npu.NpuKernelError, match="multiple"):
         npu.npu_fusion_attention(q[:, :, :3], k, v, 3, "BSND")
+    q2, k2, v2 = (t.expand(2, -1, -1, -1) for t in (q, k, v))
+    with pytest.raises(npu.NpuKernelError, match="BNSS/B1SS/11SS/SS"):  # 1NSS is not among the documented shapes
+        npu.npu_fusion_attention(q2, k2, v2, 4, "BSND", atten_mask=torch.zeros(1, 4, 5, 5, dtype=torch.bool))
+    for shape in ((2, 4, 5, 5), (2, 1, 5, 5), (1, 1, 5, 5), (5, 5)):
+        npu.npu_fusion_attention(q2, k2, v2, 4, "BSND", atten_mask=torch.zeros(shape, dtype=torch.bool))
     bsh = npu.npu_fusion_attention(q.flatten(2), k.flatten(2), v.flatten(2), 4, "BSH")[0]
     bsnd = npu.npu_fusion_attention(q, k, v, 4, "BSND")[0]
     torch.testing.assert_close(bsh, bsnd.flatten(2))
