@@ -73,9 +73,9 @@ class Trainer:
             self._log_doctor()
 
             self.tokenizer = load_tokenizer(cfg)
-            self.train_set = self._dataset(cfg.data.train_files)
+            self.train_set = RLDataset.from_config("train_files", self.tokenizer, cfg.data)
             self.loader = PromptLoader(self.train_set, self.derived.gen_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-            self.val_set = self._dataset(cfg.data.val_files) if cfg.data.val_files else None
+            self.val_set = RLDataset.from_config("val_files", self.tokenizer, cfg.data) if cfg.data.val_files else None
             self.total_steps = t.total_training_steps or len(self.loader) * t.total_epochs
 
             compute_score = make_compute_score(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
@@ -377,9 +377,6 @@ class Trainer:
             return prompts
         self._batches = iter(self.loader)  # next epoch (the loader tracks epoch and position)
         return next(self._batches)
-
-    def _dataset(self, files) -> RLDataset:
-        return RLDataset.from_config(list(files), self.tokenizer, self.cfg.data)
 
     def _val_batch_size(self) -> int | None:
         size = self.cfg.data.val_batch_size

@@ -219,3 +219,22 @@ def test_a_rank_that_stops_the_run_by_policy_exits_1_with_its_line(capsys):
     assert cli.exit_code(stop_on_rank_1) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
         "stopped: rank 1: weight-sync canary at step 3: ...; turn the check off with x.enable=False"]
+
+
+@pytest.mark.parametrize("key", ["train_files", "val_files"])
+def test_a_bad_data_file_list_names_its_key(key, tiny_model_path, tmp_path, capsys):
+    """Which of the two lists is wrong is in the line (it used to say "data.train_files / data.val_files")."""
+    from grpo_npu.data.synthetic import write_synthetic
+
+    write_synthetic(str(tmp_path / "data"), train_size=8, test_size=2, difficulty=1, seed=0, write_sft=False)
+    files = {"train_files": tmp_path / "data" / "train.parquet", "val_files": tmp_path / "data" / "test.parquet"}
+    files[key] = tmp_path / "missing.parquet"
+    argv = BASE + [f"actor_rollout_ref.model.path={tiny_model_path}", "trainer.device=cpu",
+                   "actor_rollout_ref.rollout.name=hf", f"trainer.default_local_dir={tmp_path / 'run'}",
+                   *(f"data.{k}={v}" for k, v in files.items())]
+    assert main_ppo.main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: data.{key}: {files[key]} does not exist"
+    if key == "train_files":
+        assert main_ppo.main(argv + ["data.train_files=[]"]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            "error: data.train_files is empty: expected a parquet file or a list of them")

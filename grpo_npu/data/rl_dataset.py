@@ -63,17 +63,17 @@ class PromptBatch:
         return self.input_ids.shape[0]
 
 
-def _as_file_list(files: str | os.PathLike | Sequence) -> list[Path]:
-    """One path or a list of them (an OmegaConf ListConfig is a Sequence) -> checked Paths."""
+def _as_file_list(files: str | os.PathLike | Sequence, key: str) -> list[Path]:
+    """One path or a list of them (an OmegaConf ListConfig is a Sequence) -> checked Paths; errors name ``key``."""
     items = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     if not items:
-        raise ValueError("no data files given (data.train_files / data.val_files is empty)")
+        raise ValueError(f"{key} is empty: expected a parquet file or a list of them")
     paths = [Path(os.fspath(f)).expanduser() for f in items]
     for path in paths:
         if path.is_dir():
-            raise FileNotFoundError(f"data file {path} is a directory: expected a parquet file")
+            raise FileNotFoundError(f"{key}: {path} is a directory: expected a parquet file")
         if not path.is_file():
-            raise FileNotFoundError(f"data file {path} does not exist")
+            raise FileNotFoundError(f"{key}: {path} does not exist")
     return paths
 
 
@@ -153,6 +153,7 @@ class RLDataset:
         apply_chat_template_kwargs: dict | None = None,
         media_columns: Sequence[str] = (),
         tokenize_workers: int = 1,
+        files_key: str = "the data files",
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r}; expected one of {TRUNCATION_MODES}")
@@ -160,7 +161,7 @@ class RLDataset:
             raise ValueError(f"data.max_prompt_length={max_prompt_length} must be >= 1")
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; left padding needs one (set tokenizer.pad_token)")
-        self.files = _as_file_list(files)
+        self.files = _as_file_list(files, files_key)
         self.tokenizer = tokenizer
         self.prompt_key = prompt_key
         self.max_prompt_length = max_prompt_length
@@ -206,9 +207,10 @@ class RLDataset:
         self._extra_infos = [rows[i].get("extra_info") or {} for i in keep]
 
     @classmethod
-    def from_config(cls, files: Sequence, tokenizer, data: Any) -> "RLDataset":
-        """The dataset the config's ``data`` section describes (verl's key names)."""
-        return cls(files, tokenizer, prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length,
+    def from_config(cls, files_key: str, tokenizer, data: Any) -> "RLDataset":
+        """The dataset of ``data.<files_key>`` as the config's ``data`` section describes it (verl's key names)."""
+        return cls(getattr(data, files_key), tokenizer, files_key=f"data.{files_key}", prompt_key=data.prompt_key,
+                   max_prompt_length=data.max_prompt_length,
                    truncation=data.truncation, filter_overlong_prompts=data.filter_overlong_prompts,
                    reward_fn_key=data.reward_fn_key, apply_chat_template_kwargs=dict(data.apply_chat_template_kwargs),
                    media_columns=[VERL_MEDIA_COLUMNS[k] for k in sorted(VERL_MEDIA_COLUMNS)],

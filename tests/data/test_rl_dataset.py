@@ -147,13 +147,13 @@ def test_truncation_error_names_the_row_and_length(tiny_tokenizer, parquet):
 
 def test_bad_inputs_give_clear_errors(tiny_tokenizer, parquet, tmp_path):
     good = parquet(_rows(2))
-    with pytest.raises(FileNotFoundError, match="nope.parquet does not exist"):
-        RLDataset([good, str(tmp_path / "nope.parquet")], tiny_tokenizer)
+    with pytest.raises(FileNotFoundError, match=r"^data\.val_files: .*nope\.parquet does not exist$"):
+        RLDataset([good, str(tmp_path / "nope.parquet")], tiny_tokenizer, files_key="data.val_files")
     (tmp_path / "dir.parquet").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"dir\.parquet is a directory: expected a parquet file"):
-        RLDataset([good, str(tmp_path / "dir.parquet")], tiny_tokenizer)
-    with pytest.raises(ValueError, match="no data files"):
-        RLDataset([], tiny_tokenizer)
+    with pytest.raises(FileNotFoundError, match=r"^data\.train_files: .*dir\.parquet is a directory: expected a parquet file$"):
+        RLDataset([good, str(tmp_path / "dir.parquet")], tiny_tokenizer, files_key="data.train_files")
+    with pytest.raises(ValueError, match=r"^data\.train_files is empty: expected a parquet file or a list of them$"):
+        RLDataset([], tiny_tokenizer, files_key="data.train_files")
     with pytest.raises(ValueError, match=r"data.truncation='sideways'"):
         RLDataset(good, tiny_tokenizer, truncation="sideways")
 
@@ -304,8 +304,10 @@ def test_chat_template_kwargs_reach_the_template(tiny_tokenizer, parquet):
     base = ["actor_rollout_ref.model.path=/tmp/tiny", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
             "data.max_prompt_length=256"]
     path = parquet(_rows(2))
-    plain = RLDataset.from_config([path], tok, load_config(base).data)
-    thinking = RLDataset.from_config([path], tok, load_config(base + ["+data.apply_chat_template_kwargs.enable_thinking=True"]).data)
+    base.append(f"data.train_files={path}")
+    plain = RLDataset.from_config("train_files", tok, load_config(base).data)
+    thinking = RLDataset.from_config("train_files", tok,
+                                     load_config(base + ["+data.apply_chat_template_kwargs.enable_thinking=True"]).data)
     think_ids = tok("<think>", add_special_tokens=False)["input_ids"]
     assert thinking[0].raw_prompt_ids == think_ids + plain[0].raw_prompt_ids
 
@@ -314,14 +316,16 @@ def test_media_columns_are_refused(tiny_tokenizer, parquet):
     """Rows with verl's image column (data.image_key's default) are vision-language data: refused, naming it."""
     from grpo_npu.config import load_config
 
-    data = load_config(["actor_rollout_ref.model.path=/tmp/tiny", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-                        "data.max_prompt_length=256"]).data
+    def data(path):
+        return load_config(["actor_rollout_ref.model.path=/tmp/tiny", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                            "data.max_prompt_length=256", f"data.val_files={path}"]).data
+
     rows = _rows(2)
     with_images = [dict(r, images=[{"image": "x.png"}]) for r in rows]
     with pytest.raises(ValueError, match=r"holds 'images' media \(data\.image_key\): vision-language data is not supported"):
-        RLDataset.from_config([parquet(with_images, "vl.parquet")], tiny_tokenizer, data)
+        RLDataset.from_config("val_files", tiny_tokenizer, data(parquet(with_images, "vl.parquet")))
     no_images = [dict(r, images=None) for r in rows]  # an empty media column is text-only data
-    assert len(RLDataset.from_config([parquet(no_images, "text.parquet")], tiny_tokenizer, data)) == 2
+    assert len(RLDataset.from_config("val_files", tiny_tokenizer, data(parquet(no_images, "text.parquet")))) == 2
 
 
 def test_tokenize_workers_give_the_same_ids(tiny_tokenizer, parquet):
