@@ -81,6 +81,18 @@ def test_unknown_key_names_it_and_suggests():
         load_config(BASE + ["lr=1e-6"])
 
 
+def test_one_token_prompts_are_refused_while_the_sync_check_needs_two():
+    """data.max_prompt_length=1 used to fail at the first sync, blaming the check; now at load, with both ways out."""
+    with pytest.raises(ConfigError, match=r"^data\.max_prompt_length=1: the sync check teacher-forces prompts of 2 "
+                                          r"tokens or more; .*sync_check\.first_syncs=0 .*sync_check\.every_n_steps=0\)$"):
+        load_config(BASE + ["data.max_prompt_length=1"])
+    off = ["actor_rollout_ref.rollout.sync_check.first_syncs=0", "actor_rollout_ref.rollout.sync_check.every_n_steps=0"]
+    assert load_config(BASE + ["data.max_prompt_length=1", *off]).data.max_prompt_length == 1
+    with pytest.raises(ConfigError, match=r"max_prompt_length=1: the sync check"):  # either one still checks
+        load_config(BASE + ["data.max_prompt_length=1", off[0]])
+    assert load_config(BASE + ["data.max_prompt_length=2"]).data.max_prompt_length == 2
+
+
 def test_bad_type_and_bad_value_messages():
     with pytest.raises(ConfigError, match=r"data\.train_batch_size.*'abc'.*expected int"):
         load_config(BASE + ["data.train_batch_size=abc"])

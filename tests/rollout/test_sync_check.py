@@ -165,3 +165,11 @@ def test_hf_prompt_logprobs_match_an_unpadded_reference(tiny_hf, tiny_tokenizer)
             logits = tiny_hf(torch.tensor([seq])).logits[0].float()  # (L, V)
         want = torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
         torch.testing.assert_close(logp, want, rtol=0, atol=1e-5)
+
+
+def test_prompts_all_too_short_to_teacher_force_say_how_to_turn_the_check_off():
+    check = SyncCheck(first_syncs=1, every_n_steps=0, threshold=1.0, probe_prompts=2, device=torch.device("cpu"))
+    ids = torch.tensor([[0, 5], [0, 9]])
+    with pytest.raises(ValueError, match=rf"^{KEY}: every prompt has fewer than 2 tokens, so none can be teacher-forced; "
+                                         rf"turn the check off \({KEY}\.first_syncs=0 {KEY}\.every_n_steps=0\)$"):
+        check.set_probe(ids, (ids > 0).long())
