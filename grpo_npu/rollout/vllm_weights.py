@@ -49,7 +49,8 @@ def load_weights_on_worker(worker: Any, named_tensors: Iterable[tuple[str, torch
 
 
 def supports_weight_reload(worker: Any) -> bool:
-    """The worker reloads weights from an iterator (vLLM >= 0.11's ``reload_weights(weights_iterator=...)``).
+    """The worker reloads weights from an iterator (``reload_weights(weights_iterator=...)``: vLLM 0.23.0 has it;
+    0.11.0's ``reload_weights(self)`` re-reads the checkpoint, and vllm-ascend's NPUWorker has none at all).
 
     The worker's own method is ``(*args, **kwargs)`` forwarding to its model runner, whose signature tells
     the new API from the old argument-less reload-from-disk one.

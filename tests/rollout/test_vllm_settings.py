@@ -80,6 +80,17 @@ def test_vllm_ascend_before_0_9_2_refuses_expandable_segments_in_cudas_variable(
     check_vllm_ascend_pool_environment(True, "npu", "0.7.3.post1", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"})
 
 
+def test_npu_sleep_mode_refuses_nz_weights_asked_through_additional_config():
+    """vllm-ascend 0.23.0 reads weight_nz_mode from additional_config before VLLM_ASCEND_ENABLE_NZ
+    (ascend_config.py) and NPUWorker.wake_up raises on a non-zero mode (worker/worker.py:242)."""
+    nz = {"vllm": {"additional_config": {"weight_nz_mode": 1}}}
+    with pytest.raises(ValueError, match="additional_config.weight_nz_mode=1 with"):
+        _kwargs("npu", engine_kwargs=nz)
+    _kwargs("cuda", engine_kwargs=nz)  # not vllm-ascend
+    off = _kwargs("npu", engine_kwargs={"vllm": {"additional_config": {"weight_nz_mode": 0}}})
+    assert off["additional_config"] == {"weight_nz_mode": 0}
+
+
 def _kwargs(device_kind="cpu", engine_dtype=torch.float32, norm_kernels=False, **overrides):
     cfg = RolloutConfig(**overrides)
     return vllm_engine_kwargs(cfg, model_path="/m", device_kind=device_kind, prompt_length=100, response_length=28,
