@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from grpo_npu.compat import MINIMUM, STACKS, matching_stack, same_release, too_old
+from grpo_npu.compat import MINIMUM, STACKS, matching_stack, parse_version, same_release, too_old
 from grpo_npu.env import CPU_MALLOC_ENV, PROCESS_ENV_DEFAULTS
 from grpo_npu.installation import ATB_ENV, CANN_ROOT_ENV, DEFAULT_CANN_ROOTS, DISTRIBUTIONS, Facts, collect_facts
 
@@ -39,7 +39,8 @@ VLLM_ASCEND_NZ_BREAKS_SLEEP_FROM = (0, 11)
 NZ_ENV = "VLLM_ASCEND_ENABLE_NZ"
 NZ_DEFAULT = "1"  # vllm-ascend's envs.py default
 RAY_NOSET_ASCEND = "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"
-ALLOC_CONF_GENERIC = "PYTORCH_ALLOC_CONF"
+ALLOC_CONF_GENERIC = "PYTORCH_ALLOC_CONF"  # read by CUDA's allocator, never by torch_npu
+VLLM_ASCEND_POOL_READS_NPU_CONF = (0, 9, 2)  # earlier vllm-ascend sleep pools assert on PYTORCH_CUDA_ALLOC_CONF
 
 
 @dataclass(frozen=True)
@@ -235,14 +236,20 @@ def _device_check(facts: Facts) -> Check:
 
 
 def _alloc_conf_check(facts: Facts, environ: Mapping[str, str], sleep_mode: bool | None) -> Check:
+    # torch_npu reads only PYTORCH_NPU_ALLOC_CONF; vllm-ascend's sleep pool asserts on CUDA's variable up to 0.9.1
+    # (camem.py); CUDA's allocator also reads the generic PYTORCH_ALLOC_CONF.
+    plugin = parse_version(facts.versions.get("vllm_ascend"))
+    old_pool = facts.npu_stack and plugin is not None and plugin.release[:3] < VLLM_ASCEND_POOL_READS_NPU_CONF
     names = (["PYTORCH_NPU_ALLOC_CONF"] if facts.npu_stack else []) + (
-        ["PYTORCH_CUDA_ALLOC_CONF"] if "cuda" in facts.devices else [])
+        ["PYTORCH_CUDA_ALLOC_CONF"] if "cuda" in facts.devices or old_pool else [])
     if not names:
         return Check("expandable_segments", OK, "n/a (no accelerator allocator on cpu)")
-    names.append(ALLOC_CONF_GENERIC)
+    shown = list(names)
+    if "cuda" in facts.devices:
+        names.append(ALLOC_CONF_GENERIC)
     on = [n for n in names if "expandable_segments:true" in environ.get(n, "").replace(" ", "").lower()]
     if not on:
-        return Check("expandable_segments", OK, f"not enabled through {'/'.join(names[:-1])}")
+        return Check("expandable_segments", OK, f"not enabled through {'/'.join(shown)}")
     return _sleep_conflict(
         "expandable_segments", f"{'/'.join(on)} turns expandable_segments on (vLLM's sleep allocator "
         "asserts it is off)", sleep_mode,

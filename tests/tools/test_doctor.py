@@ -108,8 +108,15 @@ def test_expandable_segments_conflicts_with_sleep_mode(sleep_mode, status, conf)
 def test_expandable_segments_off_generic_var_and_cuda_var():
     off = {**GOOD_NPU_ENV, "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False"}
     assert check(npu_facts(), off, "expandable_segments", True).status == OK
+    # torch_npu never reads the generic variable (2.5.1, 2.7.1, 2.10.0.post4); CUDA's allocator does
     generic = {**GOOD_NPU_ENV, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
-    assert check(npu_facts(), generic, "expandable_segments", True).status == FAIL
+    assert check(npu_facts(), generic, "expandable_segments", True).status == OK
+    assert check(replace(cpu_facts(), devices={"cuda": 2}), generic, "expandable_segments", True).status == FAIL
+    # vllm-ascend up to 0.9.1 (the quickstart's 0.7.3.post1) asserts on CUDA's variable in its sleep pool
+    cuda_var = {**GOOD_NPU_ENV, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    quickstart = npu_facts(torch="2.5.1", torch_npu="2.5.1", vllm="0.7.3", vllm_ascend="0.7.3.post1")
+    assert check(quickstart, cuda_var, "expandable_segments", True).status == FAIL
+    assert check(npu_facts(), cuda_var, "expandable_segments", True).status == OK  # 0.11.0rc1 reads the NPU's
     cuda_box = replace(cpu_facts(), devices={"cuda": 2})
     cuda_env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert check(cuda_box, cuda_env, "expandable_segments", True).status == FAIL
