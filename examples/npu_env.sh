@@ -74,13 +74,17 @@ fi
 #     ON for training and OFF around the rollout engine, inside each worker;
 #   - 2.5.1 / 2.7.1 (npu-8.1, npu-8.3) have none: they stay OFF for the whole run (the static setting;
 #     the trainer says so once at start, python -m grpo_npu.doctor too). docs/npu.md section 5.
-_alloc_conf="${PYTORCH_NPU_ALLOC_CONF:-}"
-_alloc_conf="${_alloc_conf,,}"
-if [[ "${_alloc_conf// /}" == *expandable_segments:true* ]]; then
-    echo "npu_env: unsetting PYTORCH_NPU_ALLOC_CONF=${PYTORCH_NPU_ALLOC_CONF} (it conflicts with sleep mode; expandable segments are turned on for training at run time only where torch_npu has the toggle, 2.10.x)" >&2
-    unset PYTORCH_NPU_ALLOC_CONF
-fi
-unset _alloc_conf
+# vllm-ascend up to 0.9.1 (npu-8.1's 0.7.3.post1) asserts on CUDA's variable instead, which torch_npu never
+# reads: expandable segments are removed from both.
+for _var in PYTORCH_NPU_ALLOC_CONF PYTORCH_CUDA_ALLOC_CONF; do
+    _alloc_conf="${!_var:-}"
+    _alloc_conf="${_alloc_conf,,}"
+    if [[ "${_alloc_conf// /}" == *expandable_segments:true* ]]; then
+        echo "npu_env: unsetting ${_var}=${!_var} (it conflicts with sleep mode; expandable segments are turned on for training at run time only where torch_npu has the toggle, 2.10.x)" >&2
+        unset "${_var}"
+    fi
+done
+unset _alloc_conf _var
 
 # Data and checkpoints.
 DATA_DIR="${DATA_DIR:-${HOME}/data/gsm8k}"

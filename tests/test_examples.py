@@ -40,7 +40,7 @@ exec "${STUB_REAL_PYTHON}" "$@"
 SCRIPT_INPUTS = ("MODEL_PATH", "DATA_DIR", "CKPT_DIR", "RUN_DIR", "NNODES", "NPUS_PER_NODE", "ENFORCE_EAGER",
                  "ROLLOUT", "CACHE_DIR", "GRPO_NPU_CACHE", "HCCL_CONNECT_TIMEOUT", "HCCL_HOST_SOCKET_PORT_RANGE",
                  "HCCL_NPU_SOCKET_PORT_RANGE", "VLLM_ASCEND_ENABLE_NZ", "TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF",
-                 "PYTORCH_NPU_ALLOC_CONF", "LD_PRELOAD", "ASCEND_NNAL_HOME")
+                 "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "LD_PRELOAD", "ASCEND_NNAL_HOME")
 
 
 def capture(script: Path, tmp_path: Path, *extra: str, env: dict[str, str] | None = None):
@@ -89,7 +89,8 @@ def test_bash_syntax(script):
 
 @pytest.mark.parametrize("script", NPU_SCRIPTS, ids=lambda p: p.name)
 def test_npu_script_config_and_environment(script, tmp_path):
-    argv, env, stderr = capture(script, tmp_path, env={"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"})
+    argv, env, stderr = capture(script, tmp_path, env={"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+                                                       "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     cfg = load_config(argv)
     assert cfg.trainer.device == "npu"
     assert cfg.actor_rollout_ref.model.path.startswith((str(tmp_path / "home/models/Qwen2.5-"), str(tmp_path / "home/models/Qwen3-")))
@@ -107,6 +108,8 @@ def test_npu_script_config_and_environment(script, tmp_path):
     assert env["TASK_QUEUE_ENABLE"] == "2"
     assert env["CPU_AFFINITY_CONF"] == "1"
     assert "PYTORCH_NPU_ALLOC_CONF" not in env and "unsetting PYTORCH_NPU_ALLOC_CONF" in stderr
+    # vllm-ascend 0.7.3.post1's sleep pool asserts on CUDA's variable (device_allocator/camem.py:155)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env and "unsetting PYTORCH_CUDA_ALLOC_CONF" in stderr
     assert str(REPO) in env["PYTHONPATH"].split(os.pathsep)
     assert "set_env.sh not found" in stderr
 
