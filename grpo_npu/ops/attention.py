@@ -13,9 +13,9 @@ j <= i + Skv - Sq), which is what both flash-attn and the NPU's sparse_mode 3 co
 NPU call (op-plugin docs): default ``scale`` is 1.0, so 1/sqrt(D) is always passed; causal uses
 ``sparse_mode=3`` with the fixed 2048x2048 upper-triangular "compressed" mask (the kernel expands
 it); varlen passes ``actual_seq_qlen``/``actual_seq_kvlen`` as host lists of cumulative END offsets
-without the leading 0 (lengths 2,2,2 -> [2, 4, 6]). A masked query row with no key to attend
-(left padding) returns zeros on every backend; the NPU branch never hands such a row to the kernel
-(the kernel constraints, with their sources: docs/npu.md).
+without the leading 0 (lengths 2,2,2 -> [2, 4, 6]), at most 1024 sequences per call (more go in groups). A
+masked query row with no key to attend (left padding) returns zeros on every backend; the NPU branch never
+hands such a row to the kernel (the kernel constraints, with their sources: docs/npu.md).
 
 CUDA call (varlen only; padded batches stay torch SDPA, one call already): ``torch.nn.attention.varlen.varlen_attn``
 (torch >= 2.11, the first with ``scale`` and ``window_size``; 2.12 adds ``enable_gqa``, passed where it exists):
@@ -81,6 +81,9 @@ COMPRESSED_MASK_SIZE = 2048
 SPARSE_MODE_DEFAULT_MASK = 0  # atten_mask used as given (or full attention when it is None)
 SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3  # bottom-right aligned causal, from the compressed mask
 _compressed_masks: dict[torch.device, torch.Tensor] = {}
+# A varlen (TND) call takes at most 1K sequences ("varlen场景下长度最大支持1K", actual_seq_qlen; torch_npu 2.7.1 and
+# 2.10.0.post4 op docs): longer packed batches go to the kernel in consecutive groups of sequences.
+NPU_VARLEN_MAX_SEQUENCES = 1024
 
 
 def set_backend(name: str | None) -> None:
@@ -134,6 +137,8 @@ def _attention_npu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
                    scale: float) -> torch.Tensor:
     # Every argument is named in the one call below, so tests/ops/test_npu_schemas.py can check the
     # call against the schema of each supported torch_npu.
+    if q_offsets is not None and len(q_offsets) - 1 > NPU_VARLEN_MAX_SEQUENCES:
+        return _varlen_npu_in_groups(q, k, v, causal=causal, q_offsets=q_offsets, k_offsets=k_offsets, scale=scale)
     layout, seq_qlen, seq_kvlen = "BSND", None, None
     atten_mask, sparse_mode, empty_rows = None, SPARSE_MODE_DEFAULT_MASK, None
     if q_offsets is not None:
@@ -164,6 +169,20 @@ def _attention_npu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     if empty_rows is not None:
         out = out.masked_fill(empty_rows.transpose(1, 2), 0.0)  # (B|1, Sq, N|1, 1) over (B, Sq, Nq, D)
     return out
+
+
+def _varlen_npu_in_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, q_offsets: list[int],
+                          k_offsets: list[int], scale: float) -> torch.Tensor:
+    """A varlen batch of more sequences than one kernel call takes, as calls of NPU_VARLEN_MAX_SEQUENCES each (the
+    sequences attend only within themselves, so the split is exact)."""
+    outs, n = [], NPU_VARLEN_MAX_SEQUENCES
+    for first in range(0, len(q_offsets) - 1, n):
+        qo, ko = q_offsets[first:first + n + 1], k_offsets[first:first + n + 1]
+        if qo[-1] == qo[0]:
+            continue  # no queries in this group: nothing to compute (its rows of the output are empty)
+        outs.append(_attention_npu(q[qo[0]:qo[-1]], k[ko[0]:ko[-1]], v[ko[0]:ko[-1]], causal=causal, attn_mask=None,
+                                   q_offsets=[o - qo[0] for o in qo], k_offsets=[o - ko[0] for o in ko], scale=scale))
+    return torch.cat(outs)
 
 
 _CUDA_VARLEN_DTYPES = (torch.float16, torch.bfloat16)

@@ -62,6 +62,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 COMPRESSED_MASK_SIZE = 2048
 MAX_TOCKENS = 2147483647
 CE_MAX_ROWS = 200_000
+VARLEN_MAX_SEQUENCES = 1024  # actual_seq_qlen's length in varlen: "最大支持1K" (2.7.1 and 2.10.0.post4 docs)
 LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
 
 # How many times each kernel ran; tests assert the dispatched path really reached the kernel.
@@ -224,6 +225,8 @@ def _segment_offsets(name: str, seq: object, total: int) -> list[int]:
         f"npu_fusion_attention: {name} must be a host list of python ints, got {type(seq).__name__}",
     )
     seq = list(seq)
+    _require(len(seq) <= VARLEN_MAX_SEQUENCES, f"npu_fusion_attention: {name} has {len(seq)} entries; varlen takes "
+             f"at most {VARLEN_MAX_SEQUENCES}")
     while len(seq) > 1 and seq[-1] == 0:  # documented: trailing zeros mark batches that do not run
         seq.pop()
     _require(

@@ -182,6 +182,24 @@ def test_npu_branch_varlen_matches_reference(lengths, fake_npu):
     _compare_branches(fake_npu, {"causal": True, "cu_seqlens": op.cu_seqlens_from_lengths(lengths)}, q, k, v, tol={})
 
 
+def test_npu_branch_varlen_beyond_the_kernels_sequence_limit(fake_npu):
+    """A varlen call takes at most 1024 sequences (torch_npu 2.7.1 / 2.10.0.post4 docs): more go in groups."""
+    lengths = [1, 2, 0, 3] * 260  # 1040 sequences, a group boundary among them
+    t = sum(lengths)
+    q = torch.randn(t, 2, 8, requires_grad=True)
+    k = torch.randn(t, 1, 8, requires_grad=True)
+    v = torch.randn(t, 1, 8, requires_grad=True)
+    kwargs = {"causal": True, "cu_seqlens": op.cu_seqlens_from_lengths(lengths)}
+    out = op.attention(q, k, v, **kwargs)
+    assert fake_npu.calls["npu_fusion_attention"] == 2
+    g = torch.randn_like(out)
+    with op.dispatch.use_backend("reference", ("attention",)):
+        ref = op.attention(q, k, v, **kwargs)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(_grads(out, (q, k, v), g), _grads(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b)
+
+
 def test_cu_seqlens_from_lengths():
     assert op.cu_seqlens_from_lengths([3, 1, 5]).tolist() == [0, 3, 4, 9]
 

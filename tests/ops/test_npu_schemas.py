@@ -282,6 +282,9 @@ VIOLATIONS = {
     "fa_actual_seq_cumulative": lambda: npu.npu_fusion_attention(
         *(torch.randn(4, 2, 8) for _ in range(3)), 2, "TND", atten_mask=_compressed(), sparse_mode=3,
         actual_seq_qlen=[0, 4], actual_seq_kvlen=[0, 4]),
+    "fa_tnd_max_sequences": lambda: npu.npu_fusion_attention(
+        *(torch.randn(1025, 2, 8) for _ in range(3)), 2, "TND", atten_mask=_compressed(), sparse_mode=3,
+        actual_seq_qlen=list(range(1, 1026)), actual_seq_kvlen=list(range(1, 1026))),
     "fa_heads_and_head_dim": lambda: npu.npu_fusion_attention(
         torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), 3, "BNSD"),
     "fa_default_scale_is_one": None,  # a default: test_emulator_signature_is_a_prefix_of_each_version
