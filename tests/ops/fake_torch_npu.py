@@ -18,6 +18,7 @@ autograd works:
   int lists of cumulative END offsets without the leading 0 (trailing zeros = unused batches). A
   leading 0 is rejected although the kernel would read it as an empty first sequence: it is the
   signature of passing flash-attn style cu_seqlens, and grpo_npu drops empty sequences itself.
+  At most 1024 entries per list in TND (docs from 2.7.1); atten_mask BNSS/B1SS/11SS/SS only (no 1NSS).
   A mask row that masks every key is rejected: TND forbids it (docs from 2.7.1), BSND/BNSD lose
   precision on it unless inner_precise=2 (then the row's output is zeros).
 - npu_cross_entropy_loss returns (loss, log_prob, zloss, lse_for_zloss); N <= 200000; reduction
