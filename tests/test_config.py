@@ -93,6 +93,34 @@ def test_one_token_prompts_are_refused_while_the_sync_check_needs_two():
     assert load_config(BASE + ["data.max_prompt_length=2"]).data.max_prompt_length == 2
 
 
+def test_a_loss_modes_settings_are_checked_and_another_modes_refused():
+    """Each loss mode reads its own settings (names.POLICY_LOSS_READS); a setting it does not read is refused
+    at a non-default value (verl would ignore it), except clip_ratio_c under gspo, which verl's GSPO examples set."""
+    mode = "actor_rollout_ref.actor.policy_loss.loss_mode"
+    actor = "actor_rollout_ref.actor"
+    with pytest.raises(ConfigError, match=rf"^{actor}\.clip_ratio_high=0.28 is not read by {mode}=gpg \(it reads: none "
+                                          r"of them\); remove it or choose the loss mode that reads it$"):
+        load_config(BASE + [f"{mode}=gpg", f"{actor}.clip_ratio_high=0.28"])
+    with pytest.raises(ConfigError, match=rf"^{actor}\.tau_pos=2.0 is not read by {mode}=vanilla \(it reads: "
+                                          r"clip_ratio_low, clip_ratio_high, clip_ratio_c\)"):
+        load_config(BASE + [f"{actor}.tau_pos=2.0"])
+    with pytest.raises(ConfigError, match=rf"{actor}\.clip_ratio_c=10.0 is not read by {mode}=cispo"):
+        load_config(BASE + [f"{mode}=cispo", f"{actor}.clip_ratio_c=10.0"])
+    with pytest.raises(ConfigError, match=rf"{actor}\.clip_ratio_low=None is not read by {mode}=sapo"):  # nor clip_ratio
+        load_config(BASE + [f"{mode}=sapo", f"{actor}.clip_ratio=0.3", f"{actor}.clip_ratio_low=null"])
+    with pytest.raises(ConfigError, match=rf"^{actor}\.policy_loss\.dro_beta=None: loss_mode=dro needs a penalty weight > 0$"):
+        load_config(BASE + [f"{mode}=dro"])
+    with pytest.raises(ConfigError, match=rf"^{actor}\.tau_neg=0.0 must be > 0$"):
+        load_config(BASE + [f"{mode}=sapo", f"{actor}.tau_neg=0.0"])
+    # accepted: each mode with the settings it reads, as verl's example command lines give them
+    cfg = load_config(BASE + [f"{mode}=cispo", f"{actor}.clip_ratio_low=10", f"{actor}.clip_ratio_high=0.2"])
+    assert derive(cfg, 2).clip_low == 10.0
+    assert load_config(BASE + [f"{mode}=dppo_tv", f"{actor}.clip_ratio_c=10000.0"]).actor_rollout_ref.actor.clip_ratio_c == 1e4
+    assert load_config(BASE + [f"{mode}=sapo", f"{actor}.tau_pos=2.0"]).actor_rollout_ref.actor.tau_pos == 2.0
+    assert load_config(BASE + [f"{mode}=dro", f"{actor}.policy_loss.dro_beta=0.1"]).actor_rollout_ref.actor.policy_loss.dro_beta == 0.1
+    assert load_config(BASE + [f"{mode}=gspo", f"{actor}.clip_ratio_c=10.0"]).actor_rollout_ref.actor.clip_ratio_c == 10.0
+
+
 def test_bad_type_and_bad_value_messages():
     with pytest.raises(ConfigError, match=r"data\.train_batch_size.*'abc'.*expected int"):
         load_config(BASE + ["data.train_batch_size=abc"])

@@ -172,6 +172,18 @@ def rloo_advantage(
     return advantages, advantages
 
 
+@register_advantage("gpg", uses=("group_ids",))
+def gpg_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG: alpha * (s_i - group mean), no std; alpha = B / (responses with a non-zero score, at least 1), which
+    scales the batch up as fewer responses score; groups of one use mean 0."""
+    valid, scores, mean, _, _ = _group_scores(token_level_rewards, response_mask, group_ids)
+    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1).to(scores.dtype)
+    advantages = _broadcast(alpha * (scores - mean), valid)
+    return advantages, advantages
+
+
 @register_advantage("reinforce_plus_plus", uses=("gamma",))
 def reinforce_plus_plus_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, *, gamma: float = 1.0

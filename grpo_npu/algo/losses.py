@@ -111,7 +111,7 @@ def register_policy_loss(name: str):
 
 
 def get_policy_loss_fn(name: str) -> PolicyLoss:
-    """The policy loss registered as ``name`` (vanilla | gspo)."""
+    """The policy loss registered as ``name`` (names.POLICY_LOSS_MODES)."""
     return POLICY_LOSSES.get(name)
 
 
@@ -168,15 +168,15 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
 
 @register_policy_loss("gspo")
 def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-              clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0, agg_mode: str = "seq-mean-token-mean",
+              clip_low: float = 0.2, clip_high: float = 0.2, agg_mode: str = "seq-mean-token-mean",
               rollout_is_weights: torch.Tensor | None = None,
               **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: the sequence ratio s_i = exp(token-mean log ratio), per token sg(s_i) * pi / sg(pi), clipped.
 
     As verl's compute_policy_loss_gspo: the token log ratios enter the sequence mean unclamped, the
     per-token log ratio log(s_i) is capped at GSPO_LOG_RATIO_MAX before exp(), and ppo_kl is the
-    masked mean of the raw old_logp - logp. Published GSPO has no dual clip: ``clip_c`` is accepted
-    for the common signature and unused, and pg_clipfrac_lower is 0. Pass the small GSPO clip ranges
+    masked mean of the raw old_logp - logp. Published GSPO has no dual clip (actor.clip_ratio_c is not
+    read), and pg_clipfrac_lower is 0. Pass the small GSPO clip ranges
     (e.g. 3e-4 / 4e-4); the default aggregation is verl's for GSPO, seq-mean-token-mean.
     ``rollout_is_weights`` as in :func:`ppo_clip_loss`.
     """
@@ -199,6 +199,179 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
             "pg_clipfrac_lower": torch.zeros((), dtype=dtype, device=logp.device),
             "ppo_kl": masked_mean(-token_log_ratio, mask),
         }
+    return loss, metrics
+
+
+# ------------------------------------------------------------------------------------------------
+# verl 0.9.1's other loss modes: gpg (plain policy gradient), cispo (clipped IS weight on the log-prob
+# gradient), sapo (a smooth gate in place of the clip), dro (a quadratic log-ratio penalty), dppo_tv /
+# dppo_kl (a trust region on the probability itself), geo_mean (GMPO: the geometric mean of the token
+# ratios). Each takes the settings names.POLICY_LOSS_READS lists and returns the metrics verl's function logs.
+# ------------------------------------------------------------------------------------------------
+# dppo_kl: the binary KL's log of (1 - p_old) / (1 - p) adds this to both sides (verl's 1e-8), so a token the
+# policy is sure of (p = 1) stays finite.
+DPPO_KL_EPS = 1e-8
+# geo_mean: the per-response token means divide by (valid tokens + this), verl's 1e-8; an empty row gives 0.
+GEO_MEAN_LEN_EPS = 1e-8
+# geo_mean: log(w + this) of an IS weight w, verl's 1e-10, so that a zero weight stays finite.
+GEO_MEAN_IS_EPS = 1e-10
+# sapo: the loss is always the per-response token mean averaged over responses, as in verl 0.9.1.
+SAPO_AGG_MODE = "seq-mean-token-mean"
+
+
+def _log_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    """(B, T) log(pi / pi_old), clamped to +-LOG_RATIO_CLAMP so that exp() stays finite."""
+    return (logp - old_logp.to(logp.dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=like.dtype, device=like.device)
+
+
+@register_policy_loss("gpg")
+def gpg_loss(logp, old_logp, advantages, mask, *, agg_mode: str = "token-mean", rollout_is_weights=None,
+             **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GPG: the REINFORCE loss -A * logp, no ratio and no clip (old_logp is not read). No metrics, as in verl."""
+    _check_policy_inputs(logp, old_logp, advantages, mask, 0.0, 0.0)
+    dtype = acc_dtype(logp)
+    per_token = -advantages.to(dtype) * logp.to(dtype)
+    return agg_loss(_is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs), {}
+
+
+@register_policy_loss("cispo")
+def cispo_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2, clip_high: float = 0.2,
+               agg_mode: str = "token-mean", rollout_is_weights=None,
+               **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO: -sg(clip(rho, 1 - clip_low, 1 + clip_high)) * A * logp; every token keeps a gradient, weighted by
+    its clipped ratio. pg_clipfrac: tokens whose ratio the clip changed; pg_clipfrac_lower 0."""
+    _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
+    dtype = acc_dtype(logp)
+    logp = logp.to(dtype)
+    log_ratio = _log_ratio(logp, old_logp)
+    ratio = torch.exp(log_ratio).detach()
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = -weight * advantages.to(dtype) * logp
+    loss = agg_loss(_is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {"pg_clipfrac": masked_mean((weight != ratio).to(dtype), mask), "pg_clipfrac_lower": _zero(loss),
+                   "ppo_kl": masked_mean(-log_ratio, mask)}
+    return loss, metrics
+
+
+@register_policy_loss("sapo")
+def sapo_loss(logp, old_logp, advantages, mask, *, tau_pos: float = 1.0, tau_neg: float = 1.05,
+              agg_mode: str = SAPO_AGG_MODE, rollout_is_weights=None,
+              **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO: -A * g(rho) with the gate g(rho) = sigmoid(tau * (rho - 1)) * 4 / tau, tau = tau_pos where A > 0
+    and tau_neg elsewhere; aggregated with SAPO_AGG_MODE whatever ``agg_mode`` says (verl's choice; the KL and
+    entropy terms still follow actor.loss_agg_mode). At rho = 1 the gradient is the policy gradient's."""
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"actor.tau_pos / tau_neg: expected > 0, got {tau_pos} / {tau_neg}")
+    _check_policy_inputs(logp, old_logp, advantages, mask, 0.0, 0.0)
+    dtype = acc_dtype(logp)
+    adv = advantages.to(dtype)
+    log_ratio = _log_ratio(logp.to(dtype), old_logp)
+    tau = torch.full_like(adv, tau_neg).masked_fill(adv > 0, tau_pos)  # (B, T)
+    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
+    loss = agg_loss(_is_weighted(-gate * adv, rollout_is_weights), mask, SAPO_AGG_MODE, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {"pg_clipfrac": _zero(loss), "pg_clipfrac_lower": _zero(loss), "ppo_kl": masked_mean(-log_ratio, mask)}
+    return loss, metrics
+
+
+@register_policy_loss("dro")
+def dro_loss(logp, old_logp, advantages, mask, *, dro_beta: float | None = None, agg_mode: str = "token-mean",
+             rollout_is_weights=None, **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DRO: -(A * logp - dro_beta / 2 * (logp - old_logp)^2), the log ratio unclamped. Metric: ppo_kl only."""
+    if dro_beta is None or not dro_beta > 0:
+        raise ValueError(f"actor.policy_loss.dro_beta={dro_beta}: loss_mode=dro needs a value > 0")
+    _check_policy_inputs(logp, old_logp, advantages, mask, 0.0, 0.0)
+    dtype = acc_dtype(logp)
+    logp = logp.to(dtype)
+    log_ratio = logp - old_logp.to(dtype)
+    per_token = -(advantages.to(dtype) * logp - 0.5 * dro_beta * log_ratio.square())
+    loss = agg_loss(_is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {"ppo_kl": masked_mean(-log_ratio, mask)}
+    return loss, metrics
+
+
+def _dppo_loss(logp, old_logp, advantages, mask, keep_of, *, clip_low: float, clip_high: float, clip_c: float,
+               agg_mode: str, rollout_is_weights, agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO: -A * sg(min(rho, clip_c)) * logp on the tokens ``keep_of(p, p_old, A > 0)`` keeps inside the trust
+    region, 0 elsewhere. pg_clipfrac: tokens outside it; pg_clipfrac_lower: kept tokens whose rho > clip_c."""
+    _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
+    if clip_c <= 1.0:
+        raise ValueError(f"actor.clip_ratio_c: expected > 1, got {clip_c}")
+    dtype = acc_dtype(logp)
+    adv, logp, old_logp = advantages.to(dtype), logp.to(dtype), old_logp.to(dtype)
+    log_ratio = _log_ratio(logp, old_logp)
+    ratio = torch.exp(log_ratio).detach()
+    with torch.no_grad():
+        keep = keep_of(torch.exp(logp), torch.exp(old_logp), adv > 0).to(dtype)  # (B, T) 1 inside the region
+    per_token = -adv * ratio.clamp(max=clip_c) * logp * keep
+    loss = agg_loss(_is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {"pg_clipfrac": masked_mean(1.0 - keep, mask),
+                   "pg_clipfrac_lower": masked_mean((ratio > clip_c).to(dtype) * keep, mask),
+                   "ppo_kl": masked_mean(-log_ratio, mask)}
+    return loss, metrics
+
+
+@register_policy_loss("dppo_tv")
+def dppo_tv_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2, clip_high: float = 0.2,
+                 clip_c: float = 3.0, agg_mode: str = "token-mean", rollout_is_weights=None,
+                 **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO-Binary-TV: a token stays while p - p_old <= clip_high (A > 0) or p - p_old >= -clip_low (A <= 0)."""
+    def keep(p, p_old, positive):
+        return torch.where(positive, p - p_old <= clip_high, p - p_old >= -clip_low)
+
+    return _dppo_loss(logp, old_logp, advantages, mask, keep, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
+                      agg_mode=agg_mode, rollout_is_weights=rollout_is_weights, agg_kwargs=agg_kwargs)
+
+
+@register_policy_loss("dppo_kl")
+def dppo_kl_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2, clip_high: float = 0.2,
+                 clip_c: float = 3.0, agg_mode: str = "token-mean", rollout_is_weights=None,
+                 **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO-Binary-KL: with d = KL(Bernoulli(p_old) || Bernoulli(p)), a token stays while d <= clip_high or
+    p <= p_old (A > 0), or while d <= clip_low or p >= p_old (A <= 0)."""
+    def keep(p, p_old, positive):
+        d = p_old * (p_old.log() - p.log()) + (1 - p_old) * torch.log((1 - p_old + DPPO_KL_EPS) / (1 - p + DPPO_KL_EPS))
+        return torch.where(positive, (d <= clip_high) | (p <= p_old), (d <= clip_low) | (p >= p_old))
+
+    return _dppo_loss(logp, old_logp, advantages, mask, keep, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
+                      agg_mode=agg_mode, rollout_is_weights=rollout_is_weights, agg_kwargs=agg_kwargs)
+
+
+@register_policy_loss("geo_mean")
+def geo_mean_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2, clip_high: float = 0.2,
+                  agg_mode: str = "token-mean", rollout_is_weights=None, num_seqs=None,
+                  **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO: per response, the geometric mean of the token ratios, each log ratio clipped to
+    [-clip_low, clip_high] on the side the advantage's sign pessimises, times -(the mean advantage); the loss
+    is the mean over responses (``num_seqs``: the global count; default this call's rows). ``agg_mode`` is
+    not read (verl's choice). IS weights enter as their per-response geometric mean."""
+    _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
+    dtype = acc_dtype(logp)
+    adv, valid = advantages.to(dtype), mask.to(dtype)
+    log_ratio = logp.to(dtype) - old_logp.to(dtype)  # (B, T), unclamped as in verl
+    clipped = log_ratio.clamp(-clip_low, clip_high)
+    sign = torch.sign(adv)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped)  # 0 where A = 0
+    length = valid.sum(-1) + GEO_MEAN_LEN_EPS  # (B,)
+    seq_ratio = torch.exp((pessimistic * valid).sum(-1) / length)  # (B,)
+    seq_adv = (adv * valid).sum(-1) / length
+    per_seq = -seq_adv * seq_ratio
+    if rollout_is_weights is not None:
+        log_w = torch.log(rollout_is_weights.detach().to(dtype) + GEO_MEAN_IS_EPS)
+        per_seq = per_seq * torch.exp((log_w * valid).sum(-1) / length)
+    loss = per_seq.sum() / _positive(mask.shape[0] if num_seqs is None else num_seqs, dtype, per_seq.device)
+    with torch.no_grad():
+        changed = (log_ratio != clipped).to(dtype)
+        metrics = {"pg_clipfrac": masked_mean(changed * (adv > 0), mask),
+                   "pg_clipfrac_lower": masked_mean(changed * (adv < 0), mask),
+                   "ppo_kl": masked_mean(-log_ratio, mask)}
     return loss, metrics
 
 

@@ -8,13 +8,30 @@ is registered.
 """
 
 # algorithm.adv_estimator: advantages.ADVANTAGE_ESTIMATORS
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg")
 # actor.kl_loss_type and algorithm.kl_penalty: kl.KL_ESTIMATORS (kl = k1, mse = k2, low_var_kl = k3)
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 # algorithm.kl_ctrl.type: kl.make_kl_controller
 KL_CTRL_TYPES = ("fixed", "adaptive")
-# actor.policy_loss.loss_mode: losses.POLICY_LOSSES
-POLICY_LOSS_MODES = ("vanilla", "gspo")
+# actor.policy_loss.loss_mode: losses.POLICY_LOSSES (vanilla, gspo) and pg_variants (the others)
+POLICY_LOSS_MODES = ("vanilla", "gspo", "gpg", "cispo", "sapo", "dro", "dppo_tv", "dppo_kl", "geo_mean")
+# The actor keys each policy loss reads (under actor_rollout_ref.actor), as verl 0.9.1's functions read them;
+# validation refuses another of them at a value other than its default. clip_ratio_low/high are the ends
+# after clip_ratio filled a null one.
+POLICY_LOSS_SETTINGS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg",
+                        "policy_loss.dro_beta")
+_CLIP = ("clip_ratio_low", "clip_ratio_high")
+POLICY_LOSS_READS = {
+    "vanilla": (*_CLIP, "clip_ratio_c"),
+    "gspo": _CLIP,
+    "gpg": (),
+    "cispo": _CLIP,
+    "sapo": ("tau_pos", "tau_neg"),
+    "dro": ("policy_loss.dro_beta",),
+    "dppo_tv": (*_CLIP, "clip_ratio_c"),
+    "dppo_kl": (*_CLIP, "clip_ratio_c"),
+    "geo_mean": _CLIP,
+}
 # actor.loss_agg_mode (and critic.loss_agg_mode): losses.agg_loss
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # algorithm.filter_groups.metric: the per-response value whose std within a group DAPO's

@@ -132,7 +132,9 @@ class OptimConfig:
 @dataclass(frozen=True)
 class PolicyLossConfig:
     loss_mode: str = choice("vanilla", POLICY_LOSS_MODES)
-    """Policy loss: vanilla (PPO clip, dual-clip) | gspo (sequence-level ratio)."""
+    """Policy loss: vanilla (PPO clip, dual-clip) | gspo (sequence ratio) | gpg | cispo | sapo | dro | dppo_tv | dppo_kl | geo_mean (docs/algorithms.md)."""
+    dro_beta: Optional[float] = None
+    """Weight of the quadratic log-ratio penalty of loss_mode=dro (required there, > 0)."""
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,11 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = 0.2
     """Upper clip range (null: clip_ratio; DAPO clip-higher uses 0.28)."""
     clip_ratio_c: float = 3.0
-    """Dual-clip bound for negative advantages (must be > 1)."""
+    """Dual-clip bound for negative advantages (vanilla); the ratio's truncation (dppo_tv / dppo_kl). Must be > 1."""
+    tau_pos: float = 1.0
+    """loss_mode=sapo: the gate's temperature where the advantage is positive (> 0)."""
+    tau_neg: float = 1.05
+    """loss_mode=sapo: the gate's temperature elsewhere (> 0)."""
     loss_agg_mode: str = choice("token-mean", AGG_MODES)
     """How per-token losses are aggregated over the mini-batch."""
     mask_truncated_completions: bool = False

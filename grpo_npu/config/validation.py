@@ -10,7 +10,8 @@ import dataclasses
 import math
 from typing import Any, Iterator, Mapping
 
-from grpo_npu.algo.names import FILTER_METRICS, ROLLOUT_IS_LEVELS, parse_rollout_rs
+from grpo_npu.algo.names import (FILTER_METRICS, POLICY_LOSS_READS, POLICY_LOSS_SETTINGS, ROLLOUT_IS_LEVELS,
+                                 parse_rollout_rs)
 from grpo_npu.config.derived import derive, require
 from grpo_npu.config.schema import Config
 from grpo_npu.errors import ConfigError
@@ -47,6 +48,30 @@ def _check_finite(cfg: Config) -> None:
         for v in values:
             if isinstance(v, float) and not math.isfinite(v):
                 raise ConfigError(f"{key}={v!r} is not accepted: expected a finite number")
+
+
+# A setting a loss mode does not read, accepted anyway: every GSPO command line of verl's examples sets
+# clip_ratio_c=10.0, which verl's GSPO does not read either.
+UNREAD_BUT_ACCEPTED = {("gspo", "clip_ratio_c")}
+
+
+def _check_loss_settings(actor: Any) -> None:
+    """The policy loss's own settings (names.POLICY_LOSS_READS): the chosen loss_mode's are checked, another
+    mode's are refused at a value other than the default (verl would ignore them)."""
+    mode, key = actor.policy_loss.loss_mode, "actor_rollout_ref.actor"
+    reads = POLICY_LOSS_READS[mode]
+    for name in POLICY_LOSS_SETTINGS:
+        owner, _, attr = name.rpartition(".")
+        obj = actor.policy_loss if owner else actor
+        value, default = getattr(obj, attr), getattr(type(obj), attr)
+        require(name in reads or (mode, name) in UNREAD_BUT_ACCEPTED or value == default,
+                f"{key}.{name}={value} is not read by {key}.policy_loss.loss_mode={mode} "
+                f"(it reads: {', '.join(reads) or 'none of them'}); remove it or choose the loss mode that reads it")
+    for name in ("tau_pos", "tau_neg"):
+        require(getattr(actor, name) > 0, f"{key}.{name}={getattr(actor, name)} must be > 0")
+    beta = actor.policy_loss.dro_beta
+    require(mode != "dro" or (beta is not None and beta > 0),
+            f"{key}.policy_loss.dro_beta={beta}: loss_mode=dro needs a penalty weight > 0")
 
 
 def _positive(key: str, value: Any) -> None:
@@ -137,6 +162,7 @@ def validate(cfg: Config) -> None:
             or actor.clip_ratio_low == actor.clip_ratio_high == actor.clip_ratio,
             f"actor_rollout_ref.actor.clip_ratio={actor.clip_ratio} is not used: clip_ratio_low={actor.clip_ratio_low} "
             f"and clip_ratio_high={actor.clip_ratio_high} take precedence (as in verl); set those, or null them")
+    _check_loss_settings(actor)
     require(actor.optim.lr >= 0, f"actor_rollout_ref.actor.optim.lr={actor.optim.lr} must be >= 0")
     require(0.0 <= actor.optim.lr_warmup_steps_ratio <= 1.0,
             f"actor_rollout_ref.actor.optim.lr_warmup_steps_ratio={actor.optim.lr_warmup_steps_ratio} must be in [0, 1]")

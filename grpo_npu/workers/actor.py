@@ -22,6 +22,7 @@ import torch
 
 from grpo_npu.algo import kl as kl_lib
 from grpo_npu.algo import losses
+from grpo_npu.algo.names import POLICY_LOSS_READS
 from grpo_npu.batch import RolloutBatch
 from grpo_npu.config import ActorConfig, Derived
 from grpo_npu.device import Device
@@ -86,6 +87,19 @@ class Policy:
         return [logp[i, : len(seq) - 1] for i, seq in enumerate(sequences)]
 
 
+# The policy losses' token-mean metrics, logged as actor/<name> when the loss mode gives them (gpg gives none,
+# dro only ppo_kl, as in verl).
+PG_TOKEN_METRICS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+
+
+def policy_loss_settings(cfg: ActorConfig, derived: Derived) -> dict[str, float | None]:
+    """The keyword settings the chosen policy loss reads (names.POLICY_LOSS_READS), by its parameter names."""
+    values = {"clip_ratio_low": ("clip_low", derived.clip_low), "clip_ratio_high": ("clip_high", derived.clip_high),
+              "clip_ratio_c": ("clip_c", cfg.clip_ratio_c), "tau_pos": ("tau_pos", cfg.tau_pos),
+              "tau_neg": ("tau_neg", cfg.tau_neg), "policy_loss.dro_beta": ("dro_beta", cfg.policy_loss.dro_beta)}
+    return dict(values[name] for name in POLICY_LOSS_READS[cfg.policy_loss.loss_mode])
+
+
 class Actor(Policy):
     """The trained policy: Policy + its update loop + the PPO/GRPO loss."""
 
@@ -96,6 +110,7 @@ class Actor(Policy):
         self.cfg = cfg
         self.derived = derived
         self.policy_loss_fn = losses.get_policy_loss_fn(cfg.policy_loss.loss_mode)
+        self.policy_loss_settings = policy_loss_settings(cfg, derived)
         if cfg.loss_agg_mode not in losses.AGG_MODES:
             raise ValueError(f"actor.loss_agg_mode={cfg.loss_agg_mode!r}; known: {', '.join(losses.AGG_MODES)}")
         shuffle_seed = cfg.data_loader_seed if cfg.data_loader_seed is not None else seed
@@ -149,9 +164,7 @@ class Actor(Policy):
                               loss_tokens=self.loss_tokens)
         metrics = {
             "actor/pg_loss": stats.per_step("pg_loss"),
-            "actor/pg_clipfrac": stats.per_token("pg_clipfrac"),
-            "actor/pg_clipfrac_lower": stats.per_token("pg_clipfrac_lower"),
-            "actor/ppo_kl": stats.per_token("ppo_kl"),
+            **{f"actor/{name}": stats.per_token(name) for name in PG_TOKEN_METRICS if name in stats.sums},
             **stats.optimizer_metrics("actor"),
         }
         if cfg.use_kl_loss:
@@ -181,14 +194,11 @@ class Actor(Policy):
         with_entropy = cfg.entropy_coeff != 0 or cfg.calculate_entropy or old_logp_from_update
         logp, entropy = self.forward(micro, with_entropy)  # (b, T) each
         old_logp = logp.detach() if old_logp_from_update else micro.old_logp  # (b, T): ratio exactly 1 from the update
-        pg_loss, m = self.policy_loss_fn(
-            logp, old_logp, micro.advantages, mask, clip_low=d.clip_low, clip_high=d.clip_high,
-            clip_c=cfg.clip_ratio_c, agg_mode=cfg.loss_agg_mode, rollout_is_weights=micro.rollout_is_weights, **agg,
-        )
+        pg_loss, m = self.policy_loss_fn(logp, old_logp, micro.advantages, mask, agg_mode=cfg.loss_agg_mode,
+                                         rollout_is_weights=micro.rollout_is_weights, **self.policy_loss_settings, **agg)
         n = mask.bool().sum()
         loss = pg_loss
-        sums = {"pg_loss": pg_loss, "pg_clipfrac": m["pg_clipfrac"] * n,
-                "pg_clipfrac_lower": m["pg_clipfrac_lower"] * n, "ppo_kl": m["ppo_kl"] * n}
+        sums = {"pg_loss": pg_loss, **{name: value * n for name, value in m.items()}}  # the loss mode's token means
         maxes = {}
         if cfg.mask_truncated_completions:
             sums["truncated"] = truncated_rows(micro).sum().float()

@@ -181,6 +181,35 @@ def test_rloo_matches_reference(batch_kit, shape, seed, dtype, style):
     torch.testing.assert_close(returns, advantages)
 
 
+def ref_gpg(rewards, mask, keys):
+    scores = _scores(rewards, mask)
+    alpha = len(scores) / max(sum(1 for v in scores if v != 0), 1)
+    result = [0.0] * len(scores)
+    for members in _groups(keys).values():
+        mu = sum(scores[i] for i in members) / len(members) if len(members) > 1 else 0.0
+        for i in members:
+            result[i] = alpha * (scores[i] - mu)
+    return _broadcast(result, mask)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("style", ["dense", "outcome"])
+def test_gpg_matches_reference(batch_kit, shape, seed, dtype, style):
+    rewards, mask, ids, keys = _setup(batch_kit, shape, seed, dtype, style, KINDS[(seed + 2) % 4])
+    advantages, returns = adv.gpg_advantage(rewards, mask, ids)
+    torch.testing.assert_close(advantages.double(), ref_gpg(rewards, mask, keys), **TOL)
+    torch.testing.assert_close(returns, advantages)
+
+
+def test_gpg_scales_by_the_inverse_fraction_of_nonzero_scores():
+    """Two groups of two: scores (1, 0) and (0, 0): alpha = 4 / 1, means 0.5 and 0."""
+    rewards = torch.tensor([[1.0], [0.0], [0.0], [0.0]])
+    advantages, _ = adv.gpg_advantage(rewards, torch.ones(4, 1), ["a", "a", "b", "b"])
+    assert advantages[:, 0].tolist() == [2.0, -2.0, 0.0, 0.0]
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -270,7 +299,7 @@ def test_missing_inputs_and_unknown_names_are_clear_errors():
         adv.compute_advantage("grpo", token_level_rewards=rewards, response_mask=mask)
     with pytest.raises(ValueError, match="gae needs values"):
         adv.compute_advantage("gae", token_level_rewards=rewards, response_mask=mask)
-    with pytest.raises(ValueError, match="algorithm.adv_estimator.*'grpo_typo'.*known: gae, grpo, reinforce_plus_plus"):
+    with pytest.raises(ValueError, match="algorithm.adv_estimator.*'grpo_typo'.*known: gae, gpg, grpo, reinforce_plus_plus"):
         adv.get_advantage_fn("grpo_typo")
     with pytest.raises(ValueError, match="one key per response"):
         adv.grpo_advantage(rewards, mask, ["a"])

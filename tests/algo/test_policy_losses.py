@@ -301,16 +301,22 @@ def test_value_loss_matches_reference(batch_kit, shape, dtype, mode):
 def test_policy_loss_registry():
     assert losses.get_policy_loss_fn("vanilla") is losses.ppo_clip_loss
     assert losses.get_policy_loss_fn("gspo") is losses.gspo_loss
-    with pytest.raises(ValueError, match="actor.policy_loss.loss_mode: unknown value 'clip_cov'; known: gspo, vanilla"):
+    with pytest.raises(ValueError, match="actor.policy_loss.loss_mode: unknown value 'clip_cov'; known: cispo, dppo_kl, "
+                                         "dppo_tv, dro, geo_mean, gpg, gspo, sapo, vanilla"):
         losses.get_policy_loss_fn("clip_cov")
 
 
-@pytest.mark.parametrize("name", ["vanilla", "gspo"])
-def test_policy_metrics_are_detached_scalars(name):
+@pytest.mark.parametrize("name, names", [("vanilla", "all"), ("gspo", "all"), ("cispo", "all"), ("sapo", "all"),
+                                         ("dppo_tv", "all"), ("dppo_kl", "all"), ("geo_mean", "all"),
+                                         ("dro", "ppo_kl"), ("gpg", "none")])
+def test_policy_metrics_are_detached_scalars(name, names):
+    """Each mode gives the metrics verl 0.9.1's function gives: all three, ppo_kl only (dro), none (gpg)."""
     logp = torch.randn(4, 5, requires_grad=True)
-    loss, metrics = losses.get_policy_loss_fn(name)(logp, logp.detach() + 0.1, torch.randn(4, 5), torch.ones(4, 5))
+    extra = {"dro_beta": 0.1} if name == "dro" else {}
+    loss, metrics = losses.get_policy_loss_fn(name)(logp, logp.detach() + 0.1, torch.randn(4, 5), torch.ones(4, 5),
+                                                    **extra)
     assert loss.requires_grad
-    assert set(metrics) == {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"}
+    assert set(metrics) == {"all": {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"}, "ppo_kl": {"ppo_kl"}, "none": set()}[names]
     for value in metrics.values():
         assert isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad
     _, value_metrics = losses.value_loss(logp, logp.detach(), torch.zeros(4, 5), torch.ones(4, 5))
