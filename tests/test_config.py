@@ -121,6 +121,13 @@ def test_a_loss_modes_settings_are_checked_and_another_modes_refused():
     assert load_config(BASE + [f"{mode}=gspo", f"{actor}.clip_ratio_c=10.0"]).actor_rollout_ref.actor.clip_ratio_c == 10.0
 
 
+def test_a_key_under_the_wrong_section_suggests_its_leaf_name_first():
+    """verl's SAPO examples write +actor.policy_loss.tau_pos, a path verl 0.9.1 reads nothing from; the key that
+    acts is actor.tau_pos, named first."""
+    with pytest.raises(ConfigError, match=r"did you mean actor_rollout_ref\.actor\.tau_pos, "):
+        load_config(BASE + ["+actor_rollout_ref.actor.policy_loss.tau_pos=1.0"])
+
+
 def test_bad_type_and_bad_value_messages():
     with pytest.raises(ConfigError, match=r"data\.train_batch_size.*'abc'.*expected int"):
         load_config(BASE + ["data.train_batch_size=abc"])

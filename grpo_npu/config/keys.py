@@ -110,9 +110,9 @@ def suggest(key: str) -> str:
     """'; did you mean a, b?' naming the known keys closest to an unknown ``key`` (or '')."""
     known = all_keys()
     leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == leaf]  # first: most likely the key, moved
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
-    same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == leaf and k not in close]
-    close = (close + same_leaf)[:4]
+    close = (same_leaf + [k for k in close if k not in same_leaf])[:4]
     if not close:
         close = [k for k in known if difflib.SequenceMatcher(None, leaf, k.rsplit(".", 1)[-1]).ratio() > 0.75][:4]
     return f"; did you mean {', '.join(close)}?" if close else ""
