@@ -32,7 +32,6 @@ NOT_IMPLEMENTED = {
     "actor_rollout_ref.model.use_shm": "model loading through shared memory",
     "+actor_rollout_ref.actor.fsdp_config.model_dtype": "a + on a key verl 0.9.1 declares (Hydra refuses it too)",
     "trainer.use_legacy_worker_impl": "verl's worker-implementation switch (newer verl)",
-    "actor_rollout_ref.rollout.mode": "async rollouts (agent loops)",
 }
 
 

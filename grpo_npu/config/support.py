@@ -134,6 +134,11 @@ RULES: tuple[Rule, ...] = tuple([
              "recomputes them)", "algorithm.rollout_correction.bypass_mode", accepted=(False,)),
     *_refuse("a bypass-mode loss other than ppo_clip", "algorithm.rollout_correction.loss_type", accepted=("ppo_clip",)),
     *_refuse(ROLLOUT_CORRECTION, "algorithm.rollout_correction.*"),
+    Rule("actor_rollout_ref.rollout.mode", SAME,
+         "verl 0.9.1 has only async, its single-turn agent loop, which samples each prompt's n responses from the "
+         "chat-templated prompt as grpo_npu's rollout does (older verl's sync generated them in one batch); one "
+         "difference: verl's loop left-truncates a prompt longer than data.max_prompt_length whatever "
+         "data.truncation says. Multi-turn and tool agent loops are refused by their own keys", ("async", "sync")),
     Rule("actor_rollout_ref.rollout.layered_summon", SAME,
          "verl gathers the FSDP weights one layer at a time for a LoRA sync when it is on; grpo_npu's sync always "
          "gathers one tensor at a time, workers/fsdp.py::iter_full_state_dict", (False, True)),
