@@ -13,7 +13,7 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from grpo_npu.perf.hardware import best_seconds as timeit  # noqa: F401  (the benchmarks' timer)
 
@@ -116,8 +116,11 @@ def run_meta(quick: bool) -> dict:
             "load": f"{load} and {speed} at the end"}
 
 
-def bench_main(run: Callable[..., BenchResult], argv: list[str] | None = None) -> BenchResult:
-    parser = argparse.ArgumentParser(description=(run.__doc__ or "").strip().splitlines()[0] if run.__doc__ else None)
+def bench_main(run: Callable[..., BenchResult], argv: list[str] | None = None,
+               parents: Sequence[argparse.ArgumentParser] = ()) -> BenchResult:
+    """--quick / --json, and a benchmark's own options (``parents``, parsed before) shown in the same --help."""
+    parser = argparse.ArgumentParser(description=(run.__doc__ or "").strip().splitlines()[0] if run.__doc__ else None,
+                                     parents=list(parents))
     parser.add_argument("--quick", action="store_true", help="small sizes for CI; ratios are indicative only")
     parser.add_argument("--json", default=None, help="where to write the JSON result (default bench/results/<name>.json; "
                                                       "with --quick bench/results/quick/<name>.json)")

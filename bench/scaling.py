@@ -226,10 +226,10 @@ def run(quick: bool = False, model: str = "tiny", rollout: str = "hf", packed: b
 
 def main(argv: list[str] | None = None) -> BenchResult:
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--model", default="tiny", choices=("tiny", "0.5b"))
-    parser.add_argument("--rollout", default="hf", choices=("hf", "vllm"))
+    parser.add_argument("--model", default="tiny", choices=("tiny", "0.5b"), help="the model shape of every point")
+    parser.add_argument("--rollout", default="hf", choices=("hf", "vllm"), help="actor_rollout_ref.rollout.name")
     parser.add_argument("--packed", action="store_true", help="also the length sweep with use_remove_padding=True")
-    parser.add_argument("--png", type=Path, default=None)
+    parser.add_argument("--png", type=Path, default=None, help="where to draw the plot (default bench/results/<name>.png; with --quick bench/results/quick/)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"),
                         help="trainer.device of every point (accelerators: the full range for both models)")
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run (default 2)")
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> BenchResult:
         return run(quick=quick, model=ours.model, rollout=ours.rollout, packed=ours.packed, png=ours.png,
                    threads=ours.threads, device=ours.device)
 
-    return bench_main(configured, rest)
+    return bench_main(configured, rest, parents=[parser])
 
 
 if __name__ == "__main__":

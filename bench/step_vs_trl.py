@@ -377,7 +377,7 @@ def _load(avg: tuple[float, float, float]) -> str:
 
 def main(argv: list[str] | None = None) -> BenchResult:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(add_help=False, usage="%(prog)s [--quick] [--json PATH] [options below]")
+    parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--model", default=None, choices=("3m", "0.5b"), help="the fixed workload's model")
     parser.add_argument("--device", default="cpu", choices=("cpu", "auto", "cuda", "npu"),
@@ -390,8 +390,6 @@ def main(argv: list[str] | None = None) -> BenchResult:
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a grpo_npu config key for its sides (repeatable; applied after the workload's)")
     ours, rest = parser.parse_known_args(argv)
-    if {"-h", "--help"} & set(rest):
-        parser.print_help()
 
     def configured(quick: bool = False) -> BenchResult:
         """End-to-end GRPO step: grpo_npu's CLI vs TRL's GRPOTrainer (steps/s, tokens/s, ratio)."""
@@ -399,7 +397,7 @@ def main(argv: list[str] | None = None) -> BenchResult:
                    sides=tuple(ours.sides), overrides=tuple(ours.override), trl_path=ours.trl_path,
                    **{field: getattr(ours, field) for field in SIZE_FIELDS})
 
-    return bench_main(configured, rest)
+    return bench_main(configured, rest, parents=[parser])
 
 
 if __name__ == "__main__":

@@ -173,3 +173,16 @@ def test_activation_points_build_the_attention_the_workers_use(tiny_model_path):
     points = [json.loads(line) for line in out.stdout.strip().splitlines()[-len(specs):]]
     assert [p["attn_implementation"] for p in points] == list(attention.values())
     assert all(p["peak_extra_mb"] > 0 and p["seconds"] > 0 for p in points), points
+
+
+@pytest.mark.parametrize("module", ["bench.scaling", "bench.step_vs_trl"])
+def test_help_lists_the_benchmarks_own_options_with_quick_and_json(module, capsys):
+    """Their own options are parsed first; --help used to show only --quick and --json (or print twice)."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(module).main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.count("usage:") == 1
+    own = ["--model", "--packed", "--device", "--rederive"] if module == "bench.scaling" else ["--workloads", "--trl-path"]
+    assert all(flag in out for flag in own + ["--quick", "--json"]), out
