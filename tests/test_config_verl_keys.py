@@ -28,7 +28,6 @@ NOT_IMPLEMENTED = {
     "actor_rollout_ref.actor.use_prefix_grouper": "prefix grouper",
     "actor_rollout_ref.actor.profiler.enable": "verl's profilers",
     "hydra.searchpath": "Megatron-lite through a Hydra search path",
-    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": "bucketed weight transfer",
     "actor_rollout_ref.model.use_shm": "model loading through shared memory",
     "+actor_rollout_ref.actor.fsdp_config.model_dtype": "a + on a key verl 0.9.1 declares (Hydra refuses it too)",
     "trainer.use_legacy_worker_impl": "verl's worker-implementation switch (newer verl)",
@@ -172,6 +171,16 @@ def test_verls_other_loss_mode_examples_are_accepted(script):
     assert lines
     for r in lines:
         assert _outcome(r["args"]) == ("accepted", ""), (script, r["env"])
+
+
+def test_the_weight_transfer_bucket_runs_the_same_and_other_checkpoint_engines_are_refused():
+    key = "actor_rollout_ref.rollout.checkpoint_engine"
+    cfg = load_config(BASE + [f"{key}.update_weights_bucket_megabytes=4096"])
+    assert cfg.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes == 4096
+    with pytest.raises(ConfigError, match=rf"^{key}\.update_weights_bucket_megabytes=0 must be > 0$"):
+        load_config(BASE + [f"{key}.update_weights_bucket_megabytes=0"])
+    with pytest.raises(ConfigError, match=rf"{key}\.backend=nccl \(verl's checkpoint engines .*supported values: naive$"):
+        load_config(BASE + [f"{key}.backend=nccl"])
 
 
 def test_a_verl_yaml_is_read_with_the_same_dispositions(tmp_path):

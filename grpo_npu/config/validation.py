@@ -140,6 +140,9 @@ def validate(cfg: Config) -> None:
                    else "reads engine_kwargs.vllm only") + "; remove it")
     require(rollout.sleep_level in (None, 1, 2),
             f"actor_rollout_ref.rollout.sleep_level={rollout.sleep_level} must be 1, 2 or null")
+    require(rollout.checkpoint_engine.update_weights_bucket_megabytes > 0,
+            "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes="
+            f"{rollout.checkpoint_engine.update_weights_bucket_megabytes} must be > 0")
     sc = rollout.sync_check
     for key, v in [("first_syncs", sc.first_syncs), ("every_n_steps", sc.every_n_steps)]:
         require(v >= 0, f"actor_rollout_ref.rollout.sync_check.{key}={v} must be >= 0")
