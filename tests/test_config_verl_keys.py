@@ -183,6 +183,26 @@ def test_the_weight_transfer_bucket_runs_the_same_and_other_checkpoint_engines_a
         load_config(BASE + [f"{key}.backend=nccl"])
 
 
+@pytest.mark.parametrize("key", ["actor_rollout_ref.actor.fsdp_config.entropy_checkpointing",
+                                 "actor_rollout_ref.actor.entropy_checkpointing",
+                                 "actor_rollout_ref.ref.entropy_from_logits_with_chunking",
+                                 "actor_rollout_ref.actor.fsdp_config.use_orig_params",
+                                 "critic.model.fsdp_config.use_orig_params",
+                                 "actor_rollout_ref.rollout.multi_stage_wake_up"])
+def test_switches_grpo_npu_always_has_take_either_value(key):
+    for value in ("True", "False"):
+        load_config(BASE + [f"{key}={value}"])
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}"):
+        load_config(BASE + [f"{key}=sometimes"])
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.actor.megatron.entropy_from_logits_with_chunking",
+                                 "actor_rollout_ref.actor.veomni.entropy_checkpointing"])
+def test_the_same_switch_of_an_engine_grpo_npu_lacks_is_refused_for_the_engine(key):
+    with pytest.raises(ConfigError, match=r"the (Megatron backend|VeOmni engine)"):
+        load_config(BASE + [f"{key}=True"])
+
+
 def test_a_verl_yaml_is_read_with_the_same_dispositions(tmp_path):
     """A YAML holding verl keys grpo_npu lacks: accepted at verl's defaults, refused otherwise, aliases mapped."""
     good = tmp_path / "good.yaml"

@@ -165,6 +165,15 @@ RULES: tuple[Rule, ...] = tuple([
          "verl packs the weights into buckets of this size for its transfer into the vLLM server process; grpo_npu's "
          "engine lives in the trainer's process and loads one tensor at a time, with no buffer to size"),
     *_refuse(CHECKPOINT_ENGINE, "actor_rollout_ref.rollout.checkpoint_engine.*"),
+    # memory switches verl offers and grpo_npu always has on (after the whole-engine rules above: first match wins)
+    *[Rule(p, SAME, "grpo_npu's log-prob and entropy op always works in row chunks and recomputes each chunk's softmax "
+                    "in the backward pass (grpo_npu/ops/logprob.py), which is what this switch turns on in verl",
+           accepted=(False, True)) for p in ("*entropy_checkpointing", "*entropy_from_logits_with_chunking")],
+    Rule("*.use_orig_params", SAME, "an FSDP1 flag; grpo_npu's FSDP2 (fully_shard) always keeps each original "
+                                    "parameter, as one DTensor", accepted=(False, True)),
+    Rule("actor_rollout_ref.rollout.multi_stage_wake_up", SAME,
+         "verl reads it for its SGLang rollout only (its rollout.yaml); its vLLM rollout, as grpo_npu's, does not",
+         accepted=(False, True)),
 ])
 
 
