@@ -23,6 +23,7 @@ import torch
 TENSOR_FIELDS = (
     "prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logp", "old_logp", "ref_logp",
     "values", "token_level_scores", "token_level_rewards", "advantages", "returns", "rollout_is_weights", "loss_mask",
+    "reward_baselines",
 )
 LIST_FIELDS = ("uid", "data_source", "ground_truth", "extra_info", "stop_reason", "reward_extra")
 
@@ -49,6 +50,7 @@ class RolloutBatch:
     returns: Optional[torch.Tensor] = None  # (B, T)
     rollout_is_weights: Optional[torch.Tensor] = None  # (B, T) rollout-correction IS weights (algorithm.rollout_correction)
     loss_mask: Optional[torch.Tensor] = None  # (B, T) response_mask minus rollout-rejected tokens (None: response_mask)
+    reward_baselines: Optional[torch.Tensor] = None  # (B,) ReMax: the score of the prompt's greedy response
 
     def __post_init__(self) -> None:
         b = self.prompt_ids.shape[0]
@@ -135,7 +137,7 @@ class RolloutBatch:
                 raise ValueError(f"RolloutBatch.concat: {name} is set in some batches but not others")
             if name in ("prompt_ids", "prompt_mask"):
                 parts = [_pad_left(p, p_width, 0) for p in parts]
-            else:
+            elif parts[0].dim() > 1:  # (B, T); a (B,) field has no width
                 parts = [pad_right(p, t_width, 0) for p in parts]
             changes[name] = torch.cat(parts, dim=0)
         for name in LIST_FIELDS:

@@ -77,15 +77,16 @@ class Workers:
         return cls(group, layout.tp)
 
     # -- rollout --------------------------------------------------------------------------------
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig, step: int = 0
-                 ) -> list[GenerationOutput]:
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig, step: int = 0,
+                 baseline: SamplingConfig | None = None) -> list[GenerationOutput]:
         """Rollout group g generates for the g-th equal chunk of prompts; one output per group, in group order.
 
         Every rank of a group gets the same prompts and seed (see :mod:`grpo_npu.rollout.layout`). ``step``: the
-        training step the synced weights serve (the weight-sync canary's schedule).
+        training step the synced weights serve (the weight-sync canary's schedule). ``baseline``: also one
+        response per prompt with that sampling, in each output's ``baseline`` (ReMax).
         """
         per_rank = self.layout.per_rank_inputs(prompt_ids, prompt_mask, sampling)
-        return self.layout.one_per_group(self.group.call_ranks("generate", per_rank, step=step))
+        return self.layout.one_per_group(self.group.call_ranks("generate", per_rank, step=step, baseline=baseline))
 
     # -- scoring --------------------------------------------------------------------------------
     def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:

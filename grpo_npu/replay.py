@@ -7,7 +7,8 @@ A dump holds, per step ``s``, in generation order (before the trainer balances r
 - ``{s}.safetensors``: everything the training side of the step consumes. Tensors: ``prompt_ids`` /
   ``prompt_mask`` (B, P), ``response_ids`` / ``response_mask`` (B, T), ``token_level_scores`` (B, T) float32
   (the reward manager's scores, overlong shaping included), ``group_index`` (B,) int64 (the prompt each row
-  answers, 0..B/n-1), ``rollout_logp`` (B, T) float32 when the engine returned log-probs. Metadata (strings):
+  answers, 0..B/n-1), ``rollout_logp`` (B, T) float32 when the engine returned log-probs, ``reward_baselines``
+  (B,) with ReMax (the score of each row's prompt's greedy response). Metadata (strings):
   the format, the step, the batch shape of the run that wrote it (:func:`dump_shape`) and the row lists as
   JSON (uid, data_source, ground_truth, extra_info, stop_reason, reward_extra).
 
@@ -36,7 +37,8 @@ from grpo_npu.samples import decode_samples, write_jsonl
 DUMP_FORMAT = "grpo_npu.rollouts/1"
 DUMP_SUFFIX = ".safetensors"
 _LIST_FIELDS = ("uid", "data_source", "ground_truth", "extra_info", "stop_reason", "reward_extra")
-_TENSOR_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "token_level_scores", "rollout_logp")
+_TENSOR_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "token_level_scores", "rollout_logp",
+                  "reward_baselines")
 
 
 class ShapeValue(NamedTuple):
@@ -71,7 +73,8 @@ class RolloutSource:
     or the dump alone when replaying. Refuses, when built, a replay dump that lacks a step in
     ``first_step..last_step`` or was written with another batch shape."""
 
-    def __init__(self, cfg: Config, derived: Derived, generate: Callable, tokenizer, *, first_step: int, last_step: int):
+    def __init__(self, cfg: Config, derived: Derived, generate: Callable, tokenizer, *, first_step: int, last_step: int,
+                 baselines: bool = False):
         t = cfg.trainer
         self.generate = generate
         self.tokenizer = tokenizer
@@ -79,7 +82,7 @@ class RolloutSource:
         self.dump_dir = Path(t.rollout_data_dir) if t.rollout_data_dir else None
         self.replay_dir = Path(t.replay_rollouts_from) if t.replay_rollouts_from else None
         if self.replay_dir is not None:
-            check_dump(self.replay_dir, range(first_step, last_step + 1), self.shape)
+            check_dump(self.replay_dir, range(first_step, last_step + 1), self.shape, baselines=baselines)
 
     def __call__(self, step: int, timer) -> tuple[RolloutBatch, dict[str, float]]:
         if self.replay_dir is not None:
@@ -122,8 +125,9 @@ def read_rollouts(dump_dir: Path, step: int, shape: dict[str, ShapeValue]) -> Ro
     return batch
 
 
-def check_dump(dump_dir: Path, steps: range, shape: dict[str, ShapeValue]) -> None:
-    """Refuse (one line) a dump directory that lacks one of ``steps`` or holds another batch shape."""
+def check_dump(dump_dir: Path, steps: range, shape: dict[str, ShapeValue], baselines: bool = False) -> None:
+    """Refuse (one line) a dump directory that lacks one of ``steps``, holds another batch shape or, when this run
+    needs ``baselines`` (ReMax), lacks them."""
     if not dump_dir.is_dir():
         raise ConfigError(f"trainer.replay_rollouts_from={dump_dir}: not a directory (expected a "
                           "trainer.rollout_data_dir of an earlier run)")
@@ -137,6 +141,10 @@ def check_dump(dump_dir: Path, steps: range, shape: dict[str, ShapeValue]) -> No
                           "dump those steps with trainer.rollout_data_dir")
     for s in steps:
         _metadata(dump_dir / f"{s}{DUMP_SUFFIX}", s, shape)
+        with safe_open(str(dump_dir / f"{s}{DUMP_SUFFIX}"), framework="pt") as f:
+            if baselines and "reward_baselines" not in f.keys():
+                raise ConfigError(f"trainer.replay_rollouts_from: {dump_dir / f'{s}{DUMP_SUFFIX}'} has no "
+                                  "reward_baselines, which algorithm.adv_estimator=remax needs: replay a remax run's dump")
 
 
 def _metadata(path: Path, step: int, shape: dict[str, ShapeValue]) -> dict[str, str]:

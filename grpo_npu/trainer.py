@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from grpo_npu import config as C
-from grpo_npu.algo.advantages import compute_advantage
-from grpo_npu.algo.dapo import filter_groups
+from grpo_npu.algo.advantages import compute_advantage, estimator_inputs
+from grpo_npu.algo.dapo import filter_groups, filter_metric_values
 from grpo_npu.algo.kl import apply_kl_in_reward, make_kl_controller
 from grpo_npu.algo.rollout_corr import correct_batch
 from grpo_npu.batch import RolloutBatch, balance_order, cat_right_padded
@@ -35,7 +35,7 @@ from grpo_npu.replay import RolloutSource, engine_needed
 from grpo_npu.reward.manager import OverlongShaping, get_reward_manager
 from grpo_npu.reward.sandbox import SandboxSettings
 from grpo_npu.reward.score import make_compute_score
-from grpo_npu.rollout import logp_diff_metrics, training_sampling, validation_sampling
+from grpo_npu.rollout import baseline_sampling, logp_diff_metrics, training_sampling, validation_sampling
 from grpo_npu.rollout.base import SamplingConfig
 from grpo_npu.run_control import StopRequest, Timer, Watchdog, stopped_workers_mean_signal
 from grpo_npu.rundir import RunDirLock, prepare_fresh_start
@@ -64,6 +64,7 @@ class Trainer:
         self.device = get_device(t.device)
         self.world_size = t.nnodes * t.n_gpus_per_node
         self.derived = C.derive(cfg, self.world_size)
+        self.baselines = "reward_baselines" in estimator_inputs(cfg.algorithm.adv_estimator)  # ReMax's greedy ones
         if workers is None:  # a caller that brings its own workers has built them from its own inputs
             check_inputs(cfg, use_critic=self.derived.use_critic)
         self.run_dir = Path(t.default_local_dir)
@@ -97,7 +98,7 @@ class Trainer:
             self.ckpt = CheckpointManager(self.run_dir, max_to_keep=t.max_actor_ckpt_to_keep)
             self.resume_from = self.ckpt.resolve_resume(t.resume_mode, t.resume_from_path)
             self.rollouts = RolloutSource(cfg, self.derived, self.rollout_and_reward, self.tokenizer, first_step=(
-                self.resume_from or (0,))[0] + 1, last_step=self.total_steps)  # replay: refuses a dump that does not fit
+                self.resume_from or (0,))[0] + 1, last_step=self.total_steps, baselines=self.baselines)  # replay: checks the dump
             if self.resume_from is None:  # a fresh start: another run's files must not mix with this one's
                 prepare_fresh_start(self.run_dir, t.existing_run_dir)
             self.workers = workers if workers is not None else Workers.build(
@@ -190,15 +191,20 @@ class Trainer:
             num_gen += 1
             prompts = self._next_prompts()
             with timer("gen"):
-                batch, gen_metrics = self.generate(prompts, self.train_sampling(step, num_gen), uid_prefix=f"s{step}g{num_gen}")
+                batch, gen_metrics, greedy = self.generate(prompts, self.train_sampling(step, num_gen),
+                                                           uid_prefix=f"s{step}g{num_gen}", baselines=self.baselines)
             metrics.update(gen_metrics)
             with timer("reward"):
                 batch, reward_metrics = self.reward(batch, self.reward_fn)
+                if greedy is not None:  # ReMax: a prompt's greedy response, scored, is its responses' baseline
+                    scores = self.reward(greedy, self.reward_fn)[0].token_level_scores.sum(-1)
+                    batch = batch.replace(reward_baselines=scores.repeat_interleave(len(batch) // len(greedy)))
             for key, value in reward_metrics.items():  # failed-row counts add up over generation batches
                 metrics[key] = metrics.get(key, 0.0) + value
             if not fg.enable:
                 return batch, metrics
-            keep = filter_groups(batch.token_level_scores.sum(-1), batch.uid, self._filter_metric(batch, fg.metric))
+            keep = filter_groups(batch.token_level_scores, batch.uid,  # (B, T): summed per row
+                                 filter_metric_values(fg.metric, batch.token_level_scores, batch.reward_extra))
             batch = batch.select(keep)
             kept.append(batch)
             num_prompts += len(set(batch.uid))
@@ -214,22 +220,32 @@ class Trainer:
                     f"{fg.max_num_gen_batches}); raise it (0 = unlimited) or make the task less saturated")
             log.info("dynamic sampling: %d/%d prompts kept after %d batches; generating more", num_prompts, want, num_gen)
 
-    def generate(self, prompts: PromptBatch, sampling: SamplingConfig, uid_prefix: str) -> tuple[RolloutBatch, dict]:
-        """B prompts -> B*n responses (rows i*n..i*n+n-1 answer prompt i), spread over the ranks."""
+    def generate(self, prompts: PromptBatch, sampling: SamplingConfig, uid_prefix: str, baselines: bool = False
+                 ) -> tuple[RolloutBatch, dict, RolloutBatch | None]:
+        """B prompts -> B*n responses (rows i*n..i*n+n-1 answer prompt i), spread over the ranks; with ``baselines``
+        also each prompt's greedy response, in the same engine wake (ReMax)."""
         n = sampling.n
         B = len(prompts)
         ids, mask = prompts.input_ids, prompts.attention_mask
         if B % self.world_size:  # too few prompts to split: repeat them and sample once each
             ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
             sampling = SamplingConfig(**{**sampling.__dict__, "n": 1})
-        outs = self.workers.generate(ids, mask, sampling, step=self.global_step + 1)  # the step these weights serve
+        greedy = baseline_sampling(self.cfg.actor_rollout_ref.rollout, self.derived.response_length) if baselines else None
+        outs = self.workers.generate(ids, mask, sampling, step=self.global_step + 1,  # the step these weights serve
+                                     baseline=greedy)
+        return self._responses(prompts, outs, uid_prefix), reduce_metrics([o.metrics for o in outs]), (
+            self._responses(prompts, [o.baseline for o in outs], f"{uid_prefix}b") if baselines else None)
+
+    def _responses(self, prompts: PromptBatch, outs: list, uid_prefix: str) -> RolloutBatch:
+        """The rank groups' outputs as rows, the same number of consecutive rows answering each prompt."""
+        n = sum(len(o.response_ids) for o in outs) // len(prompts)
         response_ids = cat_right_padded([o.response_ids for o in outs], self.tokenizer.pad_token_id)
         response_mask = cat_right_padded([o.response_mask for o in outs], 0)
         rollout_logp = None
         if all(o.logprobs is not None for o in outs):
             rollout_logp = cat_right_padded([o.logprobs for o in outs], 0.0)
         rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
-        batch = RolloutBatch(
+        return RolloutBatch(
             prompt_ids=prompts.input_ids.repeat_interleave(n, 0),
             prompt_mask=prompts.attention_mask.repeat_interleave(n, 0),
             response_ids=response_ids,
@@ -241,7 +257,6 @@ class Trainer:
             stop_reason=[r for o in outs for r in o.stop_reason],
             rollout_logp=rollout_logp,
         )
-        return batch, reduce_metrics([o.metrics for o in outs])
 
     def reward(self, batch: RolloutBatch, reward_fn) -> tuple[RolloutBatch, dict[str, float]]:
         """Scores on each response's last token, and the reward call's reward/timeouts and reward/errors."""
@@ -284,7 +299,7 @@ class Trainer:
             batch = correct_batch(batch, alg.rollout_correction, metrics)  # rollout IS weights / rejection (verl's order)
             adv, ret = compute_advantage(  # on the tokens rejection kept, as verl's modified response_mask
                 alg.adv_estimator, token_level_rewards=rewards, response_mask=batch.loss_tokens(),
-                group_ids=batch.uid, values=batch.values, gamma=alg.gamma, lam=alg.lam,
+                group_ids=batch.uid, values=batch.values, reward_baselines=batch.reward_baselines, gamma=alg.gamma, lam=alg.lam,
                 norm_by_std=alg.norm_adv_by_std_in_grpo)
         return batch.replace(token_level_rewards=rewards, advantages=adv, returns=ret), metrics
 
@@ -309,7 +324,7 @@ class Trainer:
         scores: dict[str, list[float]] = defaultdict(list)
         samples = []
         for prompts in loader:
-            batch, _ = self.generate(prompts, sampling, uid_prefix="val")
+            batch, _, _ = self.generate(prompts, sampling, uid_prefix="val")
             batch, _ = self.reward(batch, self.val_reward_fn)
             for source, extra in zip(batch.data_source, batch.reward_extra):
                 scores[source].append(float(extra["score"]))
@@ -383,16 +398,6 @@ class Trainer:
         if size is None:
             size = len(self.val_set)
         return max(self.world_size, size - size % self.world_size)
-
-    def _filter_metric(self, batch: RolloutBatch, metric: str) -> torch.Tensor:
-        if metric == "acc":
-            return torch.tensor([float(e.get("acc", e["score"])) for e in batch.reward_extra])
-        if metric == "score":
-            return torch.tensor([float(e["score"]) for e in batch.reward_extra])
-        # seq_reward sums the token-level scores (overlong shaping included); seq_final_reward is the
-        # same sum after KL-in-reward in verl, which this loop applies only after filtering, so the
-        # two coincide at this point.
-        return batch.token_level_scores.sum(-1)
 
     def _step_metrics(self, batch: RolloutBatch, timer: Timer) -> dict[str, float]:
         seconds, num_tokens = dict(timer.seconds), batch.num_tokens()

@@ -33,6 +33,17 @@ def test_concat_pads_prompts_left_and_responses_right():
     assert out.prompt_mask[0].tolist() == [0, 1, 1] and out.response_mask[0].tolist() == [1, 0]
 
 
+def test_per_row_values_follow_their_rows_and_are_not_padded():
+    """reward_baselines (B,): concat stacks it without the response padding; select and chunk carry it."""
+    a = make(2, t=1).replace(reward_baselines=torch.tensor([1.0, 2.0]))
+    b = make(1, t=3).replace(reward_baselines=torch.tensor([3.0]))
+    out = RolloutBatch.concat([a, b])
+    assert out.reward_baselines.tolist() == [1.0, 2.0, 3.0] and out.response_ids.shape == (3, 3)
+    assert out.select([2, 0]).reward_baselines.tolist() == [3.0, 1.0]
+    with pytest.raises(ValueError, match="reward_baselines has 1 rows"):
+        make(2).replace(reward_baselines=torch.zeros(1))
+
+
 def test_select_split_chunk_and_position_ids():
     b = make(4)
     assert b.select([3, 1]).uid == ["a3", "a1"]

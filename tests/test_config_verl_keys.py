@@ -21,7 +21,6 @@ DUMMIES = {"{TINY_MODEL}": "/tmp/t/model", "{TRAIN_PARQUET}": "/tmp/t/train.parq
            "{VAL_PARQUET}": "/tmp/t/val.parquet", "{RUN_DIR}": "/tmp/t/run", "{VERL_ROOT}": "/tmp/t/verl"}
 # fsdp, text-only corpus lines (no guessed feature) that use something grpo_npu does not have: the first key refused
 NOT_IMPLEMENTED = {
-    "algorithm.adv_estimator": "remax",
     "+algorithm.gdpo_reward_keys": "GDPO",
     "+actor_rollout_ref.actor.policy_loss.tau_pos": "SAPO",
     "actor_rollout_ref.actor.calculate_sum_pi_squared": "the optimal token baseline",
@@ -164,9 +163,10 @@ def test_plain_fsdp_text_lines_are_accepted():
 
 
 @pytest.mark.parametrize("script", ["examples/cispo_trainer/run_qwen3_8b_fsdp.sh", "examples/gmpo_trainer/run_qwen3_8b_fsdp.sh",
-                                    "examples/gpg_trainer/run_qwen3_8b_fsdp.sh"])
+                                    "examples/gpg_trainer/run_qwen3_8b_fsdp.sh", "examples/remax_trainer/run_qwen3_8b_fsdp.sh"])
 def test_verls_other_loss_mode_examples_are_accepted(script):
-    """verl's CISPO, GMPO and GPG example command lines (loss modes and the gpg estimator) run as they are."""
+    """verl's CISPO, GMPO, GPG and ReMax example command lines (loss modes, the gpg and remax estimators) run as
+    they are."""
     lines = [r for r in _corpus() if r["script"] == script]
     assert lines
     for r in lines:

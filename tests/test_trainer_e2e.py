@@ -139,6 +139,30 @@ def test_dapo_with_hf_rollout(tiny_model_path, task, score_file, tmp_path):
     assert_trained(tiny_model_path, run_dir, steps=2)
 
 
+def test_remax_scores_each_prompts_greedy_response_as_its_baseline(tiny_model_path, task, score_file, tmp_path):
+    """ReMax: the dump holds one baseline per row, shared by the rows of a prompt, a score the reward gives;
+    replaying that dump into a GRPO run works, and a GRPO dump is refused for ReMax (no baselines)."""
+    run_dir, dump = tmp_path / "remax", tmp_path / "dump"
+    last = run(overrides(tiny_model_path, task, run_dir, "algorithm.adv_estimator=remax",
+                         "actor_rollout_ref.rollout.name=hf", f"custom_reward_function.path={score_file}",
+                         f"trainer.rollout_data_dir={dump}", "trainer.save_freq=-1"))
+    assert math.isfinite(last["actor/pg_loss"])
+    from safetensors.torch import load_file
+
+    for step in (1, 2):
+        saved = load_file(str(dump / f"{step}.safetensors"))
+        baselines, groups = saved["reward_baselines"], saved["group_index"]
+        assert baselines.shape == (16,) and set(baselines.tolist()) <= {0.0, 1.0}  # len(response) % 2
+        for g in groups.unique():
+            assert baselines[groups == g].unique().numel() == 1
+    with pytest.raises(Exception, match="reward_baselines, which algorithm.adv_estimator=remax needs"):
+        grpo_dump = tmp_path / "grpo_dump"
+        run(overrides(tiny_model_path, task, tmp_path / "grpo", "actor_rollout_ref.rollout.name=hf",
+                      f"trainer.rollout_data_dir={grpo_dump}", "trainer.save_freq=-1", "trainer.total_training_steps=1"))
+        run(overrides(tiny_model_path, task, tmp_path / "replay", "algorithm.adv_estimator=remax",
+                      f"trainer.replay_rollouts_from={grpo_dump}", "trainer.save_freq=-1", "trainer.total_training_steps=1"))
+
+
 def test_ppo_with_critic_and_hf_rollout(tiny_model_path, task, tmp_path):
     run_dir = tmp_path / "ppo"
     last = run(overrides(

@@ -39,8 +39,8 @@ from grpo_npu.algo.registry import Registry
 GRPO_EPS = 1e-6
 
 # The optional inputs compute_advantage can hand to an estimator.
-OPTIONAL_INPUTS = ("group_ids", "values", "gamma", "lam", "norm_by_std", "eps")
-_REQUIRED_WHEN_USED = ("group_ids", "values")
+OPTIONAL_INPUTS = ("group_ids", "values", "reward_baselines", "gamma", "lam", "norm_by_std", "eps")
+_REQUIRED_WHEN_USED = ("group_ids", "values", "reward_baselines")
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,11 @@ def register_advantage(name: str, *, uses: tuple[str, ...] = ()):
     return decorate
 
 
+def estimator_inputs(name: str) -> tuple[str, ...]:
+    """The optional inputs (of OPTIONAL_INPUTS) estimator ``name`` reads."""
+    return ADVANTAGE_ESTIMATORS.get(name).uses
+
+
 def get_advantage_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """The estimator function registered as ``name`` (its own signature; see compute_advantage)."""
     return ADVANTAGE_ESTIMATORS.get(name).fn
@@ -80,6 +85,7 @@ def compute_advantage(
     response_mask: torch.Tensor,
     group_ids=None,
     values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_by_std: bool = True,
@@ -87,7 +93,8 @@ def compute_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run estimator ``name`` with the inputs it uses out of one common keyword set."""
     estimator = ADVANTAGE_ESTIMATORS.get(name)
-    given = {"group_ids": group_ids, "values": values, "gamma": gamma, "lam": lam, "norm_by_std": norm_by_std, "eps": eps}
+    given = {"group_ids": group_ids, "values": values, "reward_baselines": reward_baselines, "gamma": gamma,
+             "lam": lam, "norm_by_std": norm_by_std, "eps": eps}
     for key in _REQUIRED_WHEN_USED:
         if key in estimator.uses and given[key] is None:
             raise ValueError(f"algorithm.adv_estimator={name} needs {key}, got None")
@@ -182,6 +189,21 @@ def gpg_advantage(
     alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1).to(scores.dtype)
     advantages = _broadcast(alpha * (scores - mean), valid)
     return advantages, advantages
+
+
+@register_advantage("remax", uses=("reward_baselines",))
+def remax_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, reward_baselines: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: returns = reverse cumsum of the rewards over the valid tokens (no discount); advantages = returns minus
+    the prompt's baseline, the score of its greedy response (``reward_baselines`` (B,))."""
+    valid = _valid_mask(token_level_rewards, response_mask)
+    if reward_baselines.shape != token_level_rewards.shape[:1]:
+        raise ValueError(f"reward_baselines: expected ({token_level_rewards.shape[0]},), got {tuple(reward_baselines.shape)}")
+    returns = masked_values(token_level_rewards, valid).flip(-1).cumsum(-1).flip(-1)
+    returns = masked_values(returns, valid)
+    advantages = returns - _broadcast(reward_baselines.to(returns.dtype), valid)
+    return advantages, returns
 
 
 @register_advantage("reinforce_plus_plus", uses=("gamma",))

@@ -37,6 +37,18 @@ def filter_groups(scores: torch.Tensor, group_ids, metric_values=None) -> torch.
     return keep_group[index]
 
 
+def filter_metric_values(metric: str, token_level_scores: torch.Tensor, reward_extra: list[dict]) -> torch.Tensor:
+    """(B,) values of ``algorithm.filter_groups.metric``: acc (the scorer's, else its score) and score from the
+    reward manager's per-row details; seq_reward and seq_final_reward sum the (B, T) token-level scores (overlong
+    shaping included). verl's seq_final_reward is that sum after KL-in-reward, which grpo_npu applies after filtering,
+    so the two coincide here."""
+    if metric == "acc":
+        return torch.tensor([float(e.get("acc", e["score"])) for e in reward_extra])
+    if metric == "score":
+        return torch.tensor([float(e["score"]) for e in reward_extra])
+    return token_level_scores.sum(-1)
+
+
 def overlong_penalty(
     response_lengths, *, max_response_length: int, buffer_len: int, penalty_factor: float
 ) -> torch.Tensor:

@@ -217,7 +217,7 @@ class AlgorithmConfig:
     lam: float = 1.0
     """GAE lambda."""
     adv_estimator: str = choice("gae", ADV_ESTIMATORS)
-    """Advantage estimator: gae (PPO) | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gpg."""
+    """Advantage estimator: gae (PPO) | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gpg | remax."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group std (False: Dr.GRPO)."""
     use_kl_in_reward: bool = False

@@ -113,6 +113,13 @@ def training_sampling(cfg: RolloutConfig, response_length: int, seed: Optional[i
                           seed=seed, return_logprobs=cfg.calculate_log_probs)
 
 
+def baseline_sampling(cfg: RolloutConfig, response_length: int) -> SamplingConfig:
+    """ReMax's baseline: one greedy response per prompt, as long as the training ones may be."""
+    from grpo_npu.rollout.base import SamplingConfig  # torch: loaded on use, not by importing the package
+
+    return SamplingConfig(n=1, do_sample=False, max_new_tokens=response_length, ignore_eos=cfg.ignore_eos)
+
+
 def validation_sampling(cfg: RolloutConfig, response_length: int, seed: Optional[int] = None) -> SamplingConfig:
     """Sampling for validation: rollout.val_kwargs (greedy by default, its own n)."""
     from grpo_npu.rollout.base import SamplingConfig  # torch: loaded on use, not by importing the package

@@ -61,6 +61,8 @@ class GenerationOutput:
     logprobs: Optional[torch.Tensor] = None
     stop_reason: list[str] = field(default_factory=list)  # "stop" (eos) | "length"
     metrics: dict[str, float] = field(default_factory=dict)  # e.g. rollout/mem_* from the memory ledger
+    # ReMax's baseline: one greedy response per prompt (B rows), generated in the same engine wake
+    baseline: Optional["GenerationOutput"] = None
 
 
 class Rollout(abc.ABC):

@@ -87,13 +87,17 @@ def run_rollout_step(
     free_weights: Optional[Callable[[], None]] = None,
     ledger: Optional[MemoryLedger] = None,
     after_sync: Optional[Callable[[], dict[str, float]]] = None,
+    baseline: Optional[SamplingConfig] = None,
 ) -> GenerationOutput:
     """Wake + sync weights, [check the sync: ``after_sync``, the weight-sync canary, returns metrics], generate
-    B*n responses, sleep (also when the check or generation raises)."""
+    B*n responses [and, with ``baseline`` sampling, B more as ``out.baseline``: one wake], sleep (also when the
+    check or generation raises)."""
     sync_seconds = wake_for_rollout(rollout, device, weights, free_weights=free_weights, ledger=ledger)
     try:
         checked = after_sync() if after_sync is not None else {}
         out = rollout.generate(prompt_ids, prompt_mask, sampling)
+        if baseline is not None:
+            out.baseline = rollout.generate(prompt_ids, prompt_mask, baseline)
     finally:
         sleep_after_rollout(rollout, device, ledger=ledger)
     out.metrics.update(checked)

@@ -217,8 +217,10 @@ class HybridWorker:
         """The weight stream a sync sends (:meth:`engine_weights`; the canary re-reads it when bisecting)."""
         return self.engine_weights(whole)
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling, step: int = 0) -> Any:
-        """Wake the engine, stream the actor's weights in, [check the sync], generate this rank's prompts x n, sleep.
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling, step: int = 0,
+                 baseline=None) -> Any:
+        """Wake the engine, stream the actor's weights in, [check the sync], generate this rank's prompts x n
+        [and once more with ``baseline`` sampling: ReMax's greedy baselines], sleep.
 
         ``step``: the training step these weights serve (the weight-sync canary's schedule and message)."""
         actor, rollout = self._need("actor"), self._need("rollout")
@@ -237,6 +239,7 @@ class HybridWorker:
             out = run_rollout_step(
                 rollout, self.dev, self.rollout_weights(), prompt_ids, prompt_mask, sampling,
                 free_weights=lambda: fsdp.reshard_all(actor.module), ledger=self.ledger, after_sync=check,
+                baseline=baseline,
             )
             fsdp.reshard_all(actor.module)
         return out

@@ -86,7 +86,7 @@ def trim_padding(batch: RolloutBatch) -> RolloutBatch:
     changes = {}
     for f in dataclasses.fields(batch):
         t = getattr(batch, f.name)
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:  # (B,) per-row values have no columns
             continue
         changes[f.name] = t[:, first:] if f.name in PROMPT_FIELDS else t[:, :width]
     return batch.replace(**changes)

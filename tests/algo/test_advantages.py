@@ -203,6 +203,38 @@ def test_gpg_matches_reference(batch_kit, shape, seed, dtype, style):
     torch.testing.assert_close(returns, advantages)
 
 
+def ref_remax(rewards, mask, baselines):
+    returns = torch.zeros(mask.shape, dtype=torch.float64)
+    advantages = torch.zeros(mask.shape, dtype=torch.float64)
+    for i in range(mask.shape[0]):
+        valid = _valid_tokens(mask, i)
+        for t in valid:
+            returns[i, t] = sum(float(rewards[i, u]) for u in valid if u >= t)
+            advantages[i, t] = returns[i, t] - float(baselines[i])
+    return advantages, returns
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("style", ["dense", "outcome"])
+def test_remax_matches_reference(batch_kit, shape, seed, style):
+    rewards, mask, _, _ = _setup(batch_kit, shape, seed, torch.float32, style, "str")
+    baselines = torch.randn(shape[0], generator=torch.Generator().manual_seed(seed))
+    advantages, returns = adv.compute_advantage("remax", token_level_rewards=rewards, response_mask=mask,
+                                                reward_baselines=baselines)
+    want_adv, want_ret = ref_remax(rewards, mask, baselines)
+    torch.testing.assert_close(advantages.double(), want_adv, **TOL)
+    torch.testing.assert_close(returns.double(), want_ret, **TOL)
+
+
+def test_remax_needs_one_baseline_per_row():
+    rewards, mask = torch.ones(3, 2), torch.ones(3, 2)
+    with pytest.raises(ValueError, match=r"algorithm.adv_estimator=remax needs reward_baselines, got None"):
+        adv.compute_advantage("remax", token_level_rewards=rewards, response_mask=mask)
+    with pytest.raises(ValueError, match=r"reward_baselines: expected \(3,\), got \(2,\)"):
+        adv.remax_advantage(rewards, mask, torch.zeros(2))
+
+
 def test_gpg_scales_by_the_inverse_fraction_of_nonzero_scores():
     """Two groups of two: scores (1, 0) and (0, 0): alpha = 4 / 1, means 0.5 and 0."""
     rewards = torch.tensor([[1.0], [0.0], [0.0], [0.0]])

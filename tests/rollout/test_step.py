@@ -101,6 +101,17 @@ def test_step_runs_the_documented_order():
     assert out.metrics["rollout/weight_sync_s"] >= 0
 
 
+def test_remax_baselines_are_generated_in_the_same_wake():
+    """The greedy baseline pass runs right after the sampled one, before the engine sleeps: one sync per step."""
+    calls: list[str] = []
+    greedy = SamplingConfig(n=1, do_sample=False, max_new_tokens=1)
+    out = run_rollout_step(RecordingRollout(calls), RecordingDevice(calls), _weights(), *_prompts(),
+                           SamplingConfig(max_new_tokens=1), free_weights=lambda: calls.append("free"), baseline=greedy)
+    at = CONTRACT.index("generate")
+    assert calls == CONTRACT[: at + 1] + ["generate"] + CONTRACT[at + 1:]
+    assert isinstance(out.baseline, GenerationOutput) and out.baseline.baseline is None
+
+
 def test_step_sleeps_even_when_generation_fails():
     calls: list[str] = []
     with pytest.raises(RuntimeError, match="generation failed"):

@@ -85,8 +85,10 @@ def test_token_budget_groups_min_groups_and_errors():
 
 def test_trim_padding_drops_only_all_padding_columns():
     batch = make_batch(seed=1)
-    batch = batch.replace(old_logp=torch.randn(batch.response_ids.shape))
+    batch = batch.replace(old_logp=torch.randn(batch.response_ids.shape),
+                          reward_baselines=torch.arange(len(batch), dtype=torch.float32))  # (B,): kept whole
     trimmed = trim_padding(batch.select([0, 1]))
+    assert trimmed.reward_baselines.tolist() == [0.0, 1.0]
     pm, rm = batch.prompt_mask[:2], batch.response_mask[:2]
     first = int(pm.bool().any(0).nonzero()[0])
     last = int(rm.bool().any(0).nonzero()[-1])
