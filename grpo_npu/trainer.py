@@ -197,8 +197,10 @@ class Trainer:
             with timer("reward"):
                 batch, reward_metrics = self.reward(batch, self.reward_fn)
                 if greedy is not None:  # ReMax: a prompt's greedy response, scored, is its responses' baseline
-                    scores = self.reward(greedy, self.reward_fn)[0].token_level_scores.sum(-1)
-                    batch = batch.replace(reward_baselines=scores.repeat_interleave(len(batch) // len(greedy)))
+                    greedy, failed = self.reward(greedy, self.reward_fn)  # its failed rows: reward_baseline/*
+                    reward_metrics.update({"reward_baseline/" + k.removeprefix("reward/"): v for k, v in failed.items()})
+                    batch = batch.replace(reward_baselines=greedy.token_level_scores.sum(-1).repeat_interleave(
+                        len(batch) // len(greedy)))
             for key, value in reward_metrics.items():  # failed-row counts add up over generation batches
                 metrics[key] = metrics.get(key, 0.0) + value
             if not fg.enable:
@@ -394,9 +396,7 @@ class Trainer:
         return next(self._batches)
 
     def _val_batch_size(self) -> int | None:
-        size = self.cfg.data.val_batch_size
-        if size is None:
-            size = len(self.val_set)
+        size = self.cfg.data.val_batch_size if self.cfg.data.val_batch_size is not None else len(self.val_set)
         return max(self.world_size, size - size % self.world_size)
 
     def _step_metrics(self, batch: RolloutBatch, timer: Timer) -> dict[str, float]:

@@ -84,10 +84,11 @@ def test_unknown_key_names_it_and_suggests():
 def test_one_token_prompts_are_refused_while_the_sync_check_needs_two():
     """data.max_prompt_length=1 used to fail at the first sync, blaming the check; now at load, with both ways out."""
     with pytest.raises(ConfigError, match=r"^data\.max_prompt_length=1: the sync check teacher-forces prompts of 2 "
-                                          r"tokens or more; .*sync_check\.first_syncs=0 .*sync_check\.every_n_steps=0\)$"):
+                                          r"tokens or more; .*\(actor_rollout_ref\.rollout\.sync_check\.enable=False\)$"):
         load_config(BASE + ["data.max_prompt_length=1"])
+    assert load_config(BASE + ["data.max_prompt_length=1", "actor_rollout_ref.rollout.sync_check.enable=False"])
     off = ["actor_rollout_ref.rollout.sync_check.first_syncs=0", "actor_rollout_ref.rollout.sync_check.every_n_steps=0"]
-    assert load_config(BASE + ["data.max_prompt_length=1", *off]).data.max_prompt_length == 1
+    assert load_config(BASE + ["data.max_prompt_length=1", *off]).data.max_prompt_length == 1  # a check never due
     with pytest.raises(ConfigError, match=r"max_prompt_length=1: the sync check"):  # either one still checks
         load_config(BASE + ["data.max_prompt_length=1", off[0]])
     assert load_config(BASE + ["data.max_prompt_length=2"]).data.max_prompt_length == 2
@@ -126,6 +127,11 @@ def test_a_key_under_the_wrong_section_suggests_its_leaf_name_first():
     acts is actor.tau_pos, named first."""
     with pytest.raises(ConfigError, match=r"did you mean actor_rollout_ref\.actor\.tau_pos, "):
         load_config(BASE + ["+actor_rollout_ref.actor.policy_loss.tau_pos=1.0"])
+    # a close match that shares the leaf stays first, ahead of other keys ending in .enable
+    with pytest.raises(ConfigError, match=r"did you mean algorithm\.filter_groups\.enable, "):
+        load_config(BASE + ["algorithm.filter_group.enable=True"])
+    with pytest.raises(ConfigError, match=r"did you mean reward_model\.overlong_buffer\.enable, "):
+        load_config(BASE + ["reward_model.overlong_bufer.enable=True"])
 
 
 def test_bad_type_and_bad_value_messages():

@@ -147,6 +147,7 @@ def test_remax_scores_each_prompts_greedy_response_as_its_baseline(tiny_model_pa
                          "actor_rollout_ref.rollout.name=hf", f"custom_reward_function.path={score_file}",
                          f"trainer.rollout_data_dir={dump}", "trainer.save_freq=-1"))
     assert math.isfinite(last["actor/pg_loss"])
+    assert last["reward_baseline/errors"] == last["reward_baseline/timeouts"] == 0.0  # the greedy rows' failures
     from safetensors.torch import load_file
 
     for step in (1, 2):

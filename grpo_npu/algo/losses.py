@@ -266,7 +266,7 @@ def sapo_loss(logp, old_logp, advantages, mask, *, tau_pos: float = 1.0, tau_neg
     and tau_neg elsewhere; aggregated with SAPO_AGG_MODE whatever ``agg_mode`` says (verl's choice; the KL and
     entropy terms still follow actor.loss_agg_mode). At rho = 1 the gradient is the policy gradient's."""
     if tau_pos <= 0 or tau_neg <= 0:
-        raise ValueError(f"actor.tau_pos / tau_neg: expected > 0, got {tau_pos} / {tau_neg}")
+        raise ValueError(f"actor_rollout_ref.actor.tau_pos / tau_neg: expected > 0, got {tau_pos} / {tau_neg}")
     _check_policy_inputs(logp, old_logp, advantages, mask, 0.0, 0.0)
     dtype = acc_dtype(logp)
     adv = advantages.to(dtype)
@@ -284,7 +284,7 @@ def dro_loss(logp, old_logp, advantages, mask, *, dro_beta: float | None = None,
              rollout_is_weights=None, **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DRO: -(A * logp - dro_beta / 2 * (logp - old_logp)^2), the log ratio unclamped. Metric: ppo_kl only."""
     if dro_beta is None or not dro_beta > 0:
-        raise ValueError(f"actor.policy_loss.dro_beta={dro_beta}: loss_mode=dro needs a value > 0")
+        raise ValueError(f"actor_rollout_ref.actor.policy_loss.dro_beta={dro_beta}: loss_mode=dro needs a value > 0")
     _check_policy_inputs(logp, old_logp, advantages, mask, 0.0, 0.0)
     dtype = acc_dtype(logp)
     logp = logp.to(dtype)
@@ -298,8 +298,8 @@ def dro_loss(logp, old_logp, advantages, mask, *, dro_beta: float | None = None,
 
 def _dppo_loss(logp, old_logp, advantages, mask, keep_of, *, clip_low: float, clip_high: float, clip_c: float,
                agg_mode: str, rollout_is_weights, agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DPPO: -A * sg(min(rho, clip_c)) * logp on the tokens ``keep_of(p, p_old, A > 0)`` keeps inside the trust
-    region, 0 elsewhere. pg_clipfrac: tokens outside it; pg_clipfrac_lower: kept tokens whose rho > clip_c."""
+    """DPPO: -A * sg(min(rho, clip_c)) * logp on the tokens ``keep_of(logp, old_logp, A > 0)`` keeps inside the
+    trust region, 0 elsewhere. pg_clipfrac: tokens outside it; pg_clipfrac_lower: kept tokens whose rho > clip_c."""
     _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
     if clip_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c: expected > 1, got {clip_c}")
@@ -308,7 +308,7 @@ def _dppo_loss(logp, old_logp, advantages, mask, keep_of, *, clip_low: float, cl
     log_ratio = _log_ratio(logp, old_logp)
     ratio = torch.exp(log_ratio).detach()
     with torch.no_grad():
-        keep = keep_of(torch.exp(logp), torch.exp(old_logp), adv > 0).to(dtype)  # (B, T) 1 inside the region
+        keep = keep_of(logp, old_logp, adv > 0).to(dtype)  # (B, T) 1 inside the region
     per_token = -adv * ratio.clamp(max=clip_c) * logp * keep
     loss = agg_loss(_is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
     with torch.no_grad():
@@ -323,7 +323,8 @@ def dppo_tv_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2, cli
                  clip_c: float = 3.0, agg_mode: str = "token-mean", rollout_is_weights=None,
                  **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO-Binary-TV: a token stays while p - p_old <= clip_high (A > 0) or p - p_old >= -clip_low (A <= 0)."""
-    def keep(p, p_old, positive):
+    def keep(logp, old_logp, positive):
+        p, p_old = logp.exp(), old_logp.exp()
         return torch.where(positive, p - p_old <= clip_high, p - p_old >= -clip_low)
 
     return _dppo_loss(logp, old_logp, advantages, mask, keep, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
@@ -336,8 +337,9 @@ def dppo_kl_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2, cli
                  **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO-Binary-KL: with d = KL(Bernoulli(p_old) || Bernoulli(p)), a token stays while d <= clip_high or
     p <= p_old (A > 0), or while d <= clip_low or p >= p_old (A <= 0)."""
-    def keep(p, p_old, positive):
-        d = p_old * (p_old.log() - p.log()) + (1 - p_old) * torch.log((1 - p_old + DPPO_KL_EPS) / (1 - p + DPPO_KL_EPS))
+    def keep(logp, old_logp, positive):  # the log term from the log-probs: exact where p_old underflows to 0
+        p, p_old = logp.exp(), old_logp.exp()
+        d = p_old * (old_logp - logp) + (1 - p_old) * torch.log((1 - p_old + DPPO_KL_EPS) / (1 - p + DPPO_KL_EPS))
         return torch.where(positive, (d <= clip_high) | (p <= p_old), (d <= clip_low) | (p >= p_old))
 
     return _dppo_loss(logp, old_logp, advantages, mask, keep, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
@@ -354,18 +356,18 @@ def geo_mean_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2, cl
     not read (verl's choice). IS weights enter as their per-response geometric mean."""
     _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
     dtype = acc_dtype(logp)
-    adv, valid = advantages.to(dtype), mask.to(dtype)
+    adv, valid = advantages.to(dtype), mask.bool()
     log_ratio = logp.to(dtype) - old_logp.to(dtype)  # (B, T), unclamped as in verl
     clipped = log_ratio.clamp(-clip_low, clip_high)
     sign = torch.sign(adv)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped)  # 0 where A = 0
-    length = valid.sum(-1) + GEO_MEAN_LEN_EPS  # (B,)
-    seq_ratio = torch.exp((pessimistic * valid).sum(-1) / length)  # (B,)
-    seq_adv = (adv * valid).sum(-1) / length
+    length = valid.sum(-1).to(dtype) + GEO_MEAN_LEN_EPS  # (B,)
+    seq_ratio = torch.exp(masked_values(pessimistic, valid).sum(-1) / length)  # (B,); padding cannot leak in
+    seq_adv = masked_values(adv, valid).sum(-1) / length
     per_seq = -seq_adv * seq_ratio
     if rollout_is_weights is not None:
         log_w = torch.log(rollout_is_weights.detach().to(dtype) + GEO_MEAN_IS_EPS)
-        per_seq = per_seq * torch.exp((log_w * valid).sum(-1) / length)
+        per_seq = per_seq * torch.exp(masked_values(log_w, valid).sum(-1) / length)
     loss = per_seq.sum() / _positive(mask.shape[0] if num_seqs is None else num_seqs, dtype, per_seq.device)
     with torch.no_grad():
         changed = (log_ratio != clipped).to(dtype)

@@ -110,9 +110,12 @@ def suggest(key: str) -> str:
     """'; did you mean a, b?' naming the known keys closest to an unknown ``key`` (or '')."""
     known = all_keys()
     leaf = key.rsplit(".", 1)[-1]
-    same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == leaf]  # first: most likely the key, moved
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
-    close = (same_leaf + [k for k in close if k not in same_leaf])[:4]
+    same_leaf = sorted((k for k in known if k.rsplit(".", 1)[-1] == leaf),
+                       key=lambda k: -difflib.SequenceMatcher(None, key, k).ratio())
+    # a close match with the same leaf, else the most similar key with that leaf (a key that moved), then the rest
+    ordered = [k for k in close if k in same_leaf] + same_leaf[:1] + close + same_leaf
+    close = list(dict.fromkeys(ordered))[:4]
     if not close:
         close = [k for k in known if difflib.SequenceMatcher(None, leaf, k.rsplit(".", 1)[-1]).ratio() > 0.75][:4]
     return f"; did you mean {', '.join(close)}?" if close else ""

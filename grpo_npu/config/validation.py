@@ -149,12 +149,12 @@ def validate(cfg: Config) -> None:
     require(sc.probe_prompts >= 1, f"actor_rollout_ref.rollout.sync_check.probe_prompts={sc.probe_prompts} must be >= 1")
     require(sc.threshold is None or sc.threshold > 0,
             f"actor_rollout_ref.rollout.sync_check.threshold={sc.threshold} must be > 0 or null (by dtype)")
-    require(d.max_prompt_length >= 2 or sc.first_syncs == sc.every_n_steps == 0,
+    require(d.max_prompt_length >= 2 or not sc.enable or sc.first_syncs == sc.every_n_steps == 0,
             f"data.max_prompt_length={d.max_prompt_length}: the sync check teacher-forces prompts of 2 tokens or more; "
-            "allow longer prompts, or turn the check off (actor_rollout_ref.rollout.sync_check.first_syncs=0 "
-            "actor_rollout_ref.rollout.sync_check.every_n_steps=0)")
+            "allow longer prompts, or turn the check off (actor_rollout_ref.rollout.sync_check.enable=False)")
     require(actor.clip_ratio_c > 1.0,
-            f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1 (dual-clip bound on -A x ratio)")
+            f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1 (vanilla's dual-clip bound on "
+            "-A x ratio; the ratio's truncation in dppo_tv / dppo_kl)")
     for key, v in [("clip_ratio", actor.clip_ratio), ("clip_ratio_low", actor.clip_ratio_low),
                    ("clip_ratio_high", actor.clip_ratio_high)]:
         require(v is None or v >= 0, f"actor_rollout_ref.actor.{key}={v} must be >= 0")

@@ -114,10 +114,12 @@ def training_sampling(cfg: RolloutConfig, response_length: int, seed: Optional[i
 
 
 def baseline_sampling(cfg: RolloutConfig, response_length: int) -> SamplingConfig:
-    """ReMax's baseline: one greedy response per prompt, as long as the training ones may be."""
+    """ReMax's baseline: one greedy response per prompt, as long as the training ones may be. It asks for log-probs
+    when the training responses do, so the engine's sampler is not switched between the two passes."""
     from grpo_npu.rollout.base import SamplingConfig  # torch: loaded on use, not by importing the package
 
-    return SamplingConfig(n=1, do_sample=False, max_new_tokens=response_length, ignore_eos=cfg.ignore_eos)
+    return SamplingConfig(n=1, do_sample=False, max_new_tokens=response_length, ignore_eos=cfg.ignore_eos,
+                          return_logprobs=cfg.calculate_log_probs)
 
 
 def validation_sampling(cfg: RolloutConfig, response_length: int, seed: Optional[int] = None) -> SamplingConfig:

@@ -111,7 +111,7 @@ class SyncCheck:
             rows = [p[-PROBE_MAX_TOKENS:] for p in unpad_prompts(prompt_ids, prompt_mask) if len(p) >= 2]
             if not rows:
                 raise ValueError(f"{KEY}: every prompt has fewer than 2 tokens, so none can be teacher-forced; "
-                                 f"turn the check off ({KEY}.first_syncs=0 {KEY}.every_n_steps=0)")
+                                 f"turn the check off ({KEY}.enable=False)")
             self.probe = rows[: self.probe_prompts]
 
     def measure(self, engine: Rollout, actor_logprobs: Callable[[list[list[int]]], list[torch.Tensor]]

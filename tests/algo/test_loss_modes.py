@@ -201,11 +201,20 @@ def test_is_weights_scale_each_token_and_enter_geo_mean_as_a_geometric_mean():
     assert float(geo) == pytest.approx(2 * float(base), rel=1e-8)  # geometric mean of 2s is 2 (+ verl's 1e-10)
 
 
+def test_dppo_kl_keeps_a_token_whose_old_probability_underflows():
+    """p_old = exp(-120) is 0 in float32: the binary KL takes its log term from the log-probs (as verl), not
+    log(0), so the token stays in the trust region (p > p_old, A > 0 and d small) instead of becoming NaN."""
+    logp = torch.tensor([[-50.0, -0.5]], requires_grad=True)
+    old_logp = torch.tensor([[-120.0, -0.5]])
+    _, metrics = losses.dppo_kl_loss(logp, old_logp, torch.ones(1, 2), torch.ones(1, 2), clip_c=3.0)
+    assert float(metrics["pg_clipfrac"]) == 0.0
+
+
 def test_bad_settings_are_refused():
     x = torch.zeros(2, 3)
-    with pytest.raises(ValueError, match=r"actor.policy_loss.dro_beta=None: loss_mode=dro needs a value > 0"):
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref\.actor\.policy_loss\.dro_beta=None: loss_mode=dro needs"):
         losses.dro_loss(x, x, x, x)
-    with pytest.raises(ValueError, match=r"actor.tau_pos / tau_neg: expected > 0, got 0.0 / 1.05"):
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref\.actor\.tau_pos / tau_neg: expected > 0, got 0.0 / 1.05"):
         losses.sapo_loss(x, x, x, x, tau_pos=0.0)
     with pytest.raises(ValueError, match=r"actor.clip_ratio_c: expected > 1, got 1.0"):
         losses.dppo_tv_loss(x, x, x, x, clip_c=1.0)

@@ -112,6 +112,18 @@ def test_remax_baselines_are_generated_in_the_same_wake():
     assert isinstance(out.baseline, GenerationOutput) and out.baseline.baseline is None
 
 
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_the_baseline_pass_is_greedy_and_asks_for_what_the_training_pass_asks(logprobs):
+    from grpo_npu.config import load_config
+    from grpo_npu.rollout import baseline_sampling, training_sampling
+
+    cfg = load_config(["actor_rollout_ref.model.path=/tmp/tiny", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                       f"actor_rollout_ref.rollout.calculate_log_probs={logprobs}"]).actor_rollout_ref.rollout
+    greedy = baseline_sampling(cfg, 16)
+    assert (greedy.n, greedy.do_sample, greedy.max_new_tokens) == (1, False, 16)
+    assert greedy.return_logprobs is training_sampling(cfg, 16).return_logprobs is logprobs
+
+
 def test_step_sleeps_even_when_generation_fails():
     calls: list[str] = []
     with pytest.raises(RuntimeError, match="generation failed"):
