@@ -13,7 +13,7 @@ ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 # algorithm.kl_ctrl.type: kl.make_kl_controller
 KL_CTRL_TYPES = ("fixed", "adaptive")
-# actor.policy_loss.loss_mode: losses.POLICY_LOSSES (vanilla, gspo) and pg_variants (the others)
+# actor.policy_loss.loss_mode: losses.POLICY_LOSSES
 POLICY_LOSS_MODES = ("vanilla", "gspo", "gpg", "cispo", "sapo", "dro", "dppo_tv", "dppo_kl", "geo_mean")
 # The actor keys each policy loss reads (under actor_rollout_ref.actor), as verl 0.9.1's functions read them;
 # validation refuses another of them at a value other than its default. clip_ratio_low/high are the ends
