@@ -15,11 +15,12 @@ KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 # actor.policy_loss.loss_mode: losses.POLICY_LOSSES
 POLICY_LOSS_MODES = ("vanilla", "gspo", "gpg", "cispo", "sapo", "dro", "dppo_tv", "dppo_kl", "geo_mean")
-# The actor keys each policy loss reads (under actor_rollout_ref.actor), as verl 0.9.1's functions read them;
-# validation refuses another of them at a value other than its default. clip_ratio_low/high are the ends
-# after clip_ratio filled a null one.
-POLICY_LOSS_SETTINGS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg",
-                        "policy_loss.dro_beta")
+# The policy losses' settings: each actor key (under actor_rollout_ref.actor) and the keyword it reaches the loss
+# function as. clip_ratio_low/high are the ends after clip_ratio filled a null one.
+POLICY_LOSS_PARAMS = {"clip_ratio_low": "clip_low", "clip_ratio_high": "clip_high", "clip_ratio_c": "clip_c",
+                      "tau_pos": "tau_pos", "tau_neg": "tau_neg", "policy_loss.dro_beta": "dro_beta"}
+# The ones each loss mode reads, as verl 0.9.1's functions read them; validation refuses another mode's at a
+# value other than its default.
 _CLIP = ("clip_ratio_low", "clip_ratio_high")
 POLICY_LOSS_READS = {
     "vanilla": (*_CLIP, "clip_ratio_c"),

@@ -10,7 +10,7 @@ import dataclasses
 import math
 from typing import Any, Iterator, Mapping
 
-from grpo_npu.algo.names import (FILTER_METRICS, POLICY_LOSS_READS, POLICY_LOSS_SETTINGS, ROLLOUT_IS_LEVELS,
+from grpo_npu.algo.names import (FILTER_METRICS, POLICY_LOSS_PARAMS, POLICY_LOSS_READS, ROLLOUT_IS_LEVELS,
                                  parse_rollout_rs)
 from grpo_npu.config.derived import derive, require
 from grpo_npu.config.schema import Config
@@ -60,7 +60,7 @@ def _check_loss_settings(actor: Any) -> None:
     mode's are refused at a value other than the default (verl would ignore them)."""
     mode, key = actor.policy_loss.loss_mode, "actor_rollout_ref.actor"
     reads = POLICY_LOSS_READS[mode]
-    for name in POLICY_LOSS_SETTINGS:
+    for name in POLICY_LOSS_PARAMS:
         owner, _, attr = name.rpartition(".")
         obj = actor.policy_loss if owner else actor
         value, default = getattr(obj, attr), getattr(type(obj), attr)

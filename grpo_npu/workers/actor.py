@@ -22,7 +22,7 @@ import torch
 
 from grpo_npu.algo import kl as kl_lib
 from grpo_npu.algo import losses
-from grpo_npu.algo.names import POLICY_LOSS_READS
+from grpo_npu.algo.names import POLICY_LOSS_PARAMS, POLICY_LOSS_READS
 from grpo_npu.batch import RolloutBatch
 from grpo_npu.config import ActorConfig, Derived
 from grpo_npu.device import Device
@@ -94,10 +94,10 @@ PG_TOKEN_METRICS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
 
 def policy_loss_settings(cfg: ActorConfig, derived: Derived) -> dict[str, float | None]:
     """The keyword settings the chosen policy loss reads (names.POLICY_LOSS_READS), by its parameter names."""
-    values = {"clip_ratio_low": ("clip_low", derived.clip_low), "clip_ratio_high": ("clip_high", derived.clip_high),
-              "clip_ratio_c": ("clip_c", cfg.clip_ratio_c), "tau_pos": ("tau_pos", cfg.tau_pos),
-              "tau_neg": ("tau_neg", cfg.tau_neg), "policy_loss.dro_beta": ("dro_beta", cfg.policy_loss.dro_beta)}
-    return dict(values[name] for name in POLICY_LOSS_READS[cfg.policy_loss.loss_mode])
+    values = {"clip_ratio_low": derived.clip_low, "clip_ratio_high": derived.clip_high,
+              "clip_ratio_c": cfg.clip_ratio_c, "tau_pos": cfg.tau_pos, "tau_neg": cfg.tau_neg,
+              "policy_loss.dro_beta": cfg.policy_loss.dro_beta}
+    return {POLICY_LOSS_PARAMS[name]: values[name] for name in POLICY_LOSS_READS[cfg.policy_loss.loss_mode]}
 
 
 class Actor(Policy):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_npu.algo import losses
-from grpo_npu.algo.names import POLICY_LOSS_MODES, POLICY_LOSS_READS
+from grpo_npu.algo.names import POLICY_LOSS_MODES, POLICY_LOSS_PARAMS, POLICY_LOSS_READS
 
 MODES = list(losses.AGG_MODES)
 
@@ -167,9 +167,8 @@ def test_policy_loss_micro_batch_invariance(batch_kit, mode, loss_name):
     old_logp = logp.detach() + torch.randn(batch, width, generator=gen) * 0.3
     advantages = torch.randn(batch, 1, generator=gen).expand(batch, width).contiguous()
     loss_fn = losses.get_policy_loss_fn(loss_name)
-    given = {"clip_ratio_low": ("clip_low", 0.2), "clip_ratio_high": ("clip_high", 0.28), "clip_ratio_c": ("clip_c", 3.0),
-             "tau_pos": ("tau_pos", 1.0), "tau_neg": ("tau_neg", 1.5), "policy_loss.dro_beta": ("dro_beta", 0.2)}
-    settings = dict(given[k] for k in POLICY_LOSS_READS[loss_name])
+    given = {"clip_low": 0.2, "clip_high": 0.28, "clip_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.5, "dro_beta": 0.2}
+    settings = {POLICY_LOSS_PARAMS[k]: given[POLICY_LOSS_PARAMS[k]] for k in POLICY_LOSS_READS[loss_name]}
 
     def build_loss(rows, trimmed, **agg_kwargs):
         cols = slice(0, trimmed)

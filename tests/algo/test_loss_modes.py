@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpo_npu.algo import losses
-from grpo_npu.algo.names import POLICY_LOSS_READS
+from grpo_npu.algo.names import POLICY_LOSS_PARAMS, POLICY_LOSS_READS
 
 from .test_policy_losses import agg_weights
 
@@ -92,9 +92,7 @@ TOKEN_REFS = {"gpg": ref_gpg, "cispo": ref_cispo, "dro": ref_dro, "dppo_tv": _re
 def _settings(name, clip_low, clip_high, clip_c):
     given = {"clip_low": clip_low, "clip_high": clip_high, "clip_c": clip_c, "tau_pos": 1.0, "tau_neg": 1.05,
              "dro_beta": 0.3}
-    params = {"clip_ratio_low": "clip_low", "clip_ratio_high": "clip_high", "clip_ratio_c": "clip_c",
-              "tau_pos": "tau_pos", "tau_neg": "tau_neg", "policy_loss.dro_beta": "dro_beta"}
-    return {params[k]: given[params[k]] for k in POLICY_LOSS_READS[name]}
+    return {POLICY_LOSS_PARAMS[k]: given[POLICY_LOSS_PARAMS[k]] for k in POLICY_LOSS_READS[name]}
 
 
 @pytest.mark.parametrize("name", sorted(TOKEN_REFS))
