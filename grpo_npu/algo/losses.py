@@ -115,12 +115,15 @@ def get_policy_loss_fn(name: str) -> PolicyLoss:
     return POLICY_LOSSES.get(name)
 
 
-def _check_policy_inputs(logp, old_logp, advantages, mask, clip_low: float, clip_high: float) -> None:
+def _check_policy_inputs(logp, old_logp, advantages, mask, clip_low: float, clip_high: float,
+                         clip_c: float | None = None) -> None:
     shapes = {"logp": logp.shape, "old_logp": old_logp.shape, "advantages": advantages.shape, "mask": mask.shape}
     if len(set(shapes.values())) != 1 or logp.dim() != 2:
         raise ValueError("policy loss: expected equal (B, T) shapes, got " + ", ".join(f"{k} {tuple(v)}" for k, v in shapes.items()))
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"actor.clip_ratio_low/high: expected >= 0, got {clip_low} / {clip_high}")
+    if clip_c is not None and clip_c <= 1.0:
+        raise ValueError(f"actor.clip_ratio_c: expected > 1, got {clip_c}")
 
 
 def _is_weighted(per_token: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
@@ -130,6 +133,15 @@ def _is_weighted(per_token: torch.Tensor, weights: torch.Tensor | None) -> torch
     if weights.shape != per_token.shape:
         raise ValueError(f"rollout_is_weights {tuple(weights.shape)}: expected the loss's (B, T) {tuple(per_token.shape)}")
     return per_token * weights.detach().to(per_token.dtype)
+
+
+def _log_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    """(B, T) log(pi / pi_old), clamped to +-LOG_RATIO_CLAMP so that exp() stays finite."""
+    return (logp - old_logp.to(logp.dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=like.dtype, device=like.device)
 
 
 @register_policy_loss("vanilla")
@@ -143,12 +155,10 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     before aggregation (verl's rollout correction). Metrics: pg_clipfrac (the clipped branch taken),
     pg_clipfrac_lower (the dual-clip branch taken), ppo_kl (mean of old_logp - logp, log ratio clamped).
     """
-    _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
-    if clip_c <= 1.0:
-        raise ValueError(f"actor.clip_ratio_c: expected > 1, got {clip_c}")
+    _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high, clip_c)
     dtype = acc_dtype(logp)
     adv = advantages.to(dtype)
-    log_ratio = (logp.to(dtype) - old_logp.to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
+    log_ratio = _log_ratio(logp.to(dtype), old_logp)  # (B, T)
     ratio = torch.exp(log_ratio)
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -196,7 +206,7 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(dtype), mask),
-            "pg_clipfrac_lower": torch.zeros((), dtype=dtype, device=logp.device),
+            "pg_clipfrac_lower": _zero(loss),
             "ppo_kl": masked_mean(-token_log_ratio, mask),
         }
     return loss, metrics
@@ -218,14 +228,6 @@ GEO_MEAN_IS_EPS = 1e-10
 # sapo: the loss is always the per-response token mean averaged over responses, as in verl 0.9.1.
 SAPO_AGG_MODE = "seq-mean-token-mean"
 
-
-def _log_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
-    """(B, T) log(pi / pi_old), clamped to +-LOG_RATIO_CLAMP so that exp() stays finite."""
-    return (logp - old_logp.to(logp.dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-
-
-def _zero(like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros((), dtype=like.dtype, device=like.device)
 
 
 @register_policy_loss("gpg")
@@ -300,9 +302,7 @@ def _dppo_loss(logp, old_logp, advantages, mask, keep_of, *, clip_low: float, cl
                agg_mode: str, rollout_is_weights, agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO: -A * sg(min(rho, clip_c)) * logp on the tokens ``keep_of(logp, old_logp, A > 0)`` keeps inside the
     trust region, 0 elsewhere. pg_clipfrac: tokens outside it; pg_clipfrac_lower: kept tokens whose rho > clip_c."""
-    _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
-    if clip_c <= 1.0:
-        raise ValueError(f"actor.clip_ratio_c: expected > 1, got {clip_c}")
+    _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high, clip_c)
     dtype = acc_dtype(logp)
     adv, logp, old_logp = advantages.to(dtype), logp.to(dtype), old_logp.to(dtype)
     log_ratio = _log_ratio(logp, old_logp)
