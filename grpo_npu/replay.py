@@ -140,18 +140,15 @@ def check_dump(dump_dir: Path, steps: range, shape: dict[str, ShapeValue], basel
                           f"{_steps(missing)} of this run (it holds {has}); lower trainer.total_training_steps or "
                           "dump those steps with trainer.rollout_data_dir")
     for s in steps:
-        _metadata(dump_dir / f"{s}{DUMP_SUFFIX}", s, shape)
-        with safe_open(str(dump_dir / f"{s}{DUMP_SUFFIX}"), framework="pt") as f:
-            if baselines and "reward_baselines" not in f.keys():
-                raise ConfigError(f"trainer.replay_rollouts_from: {dump_dir / f'{s}{DUMP_SUFFIX}'} has no "
-                                  "reward_baselines, which algorithm.adv_estimator=remax needs: replay a remax run's dump")
+        _metadata(dump_dir / f"{s}{DUMP_SUFFIX}", s, shape, baselines=baselines)
 
 
-def _metadata(path: Path, step: int, shape: dict[str, ShapeValue]) -> dict[str, str]:
-    """The file's metadata, after checking its format, step and batch shape against this run's."""
+def _metadata(path: Path, step: int, shape: dict[str, ShapeValue], baselines: bool = False) -> dict[str, str]:
+    """The file's metadata, after checking its format, step and batch shape against this run's (and, with
+    ``baselines``, that it holds ReMax's reward_baselines)."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
+            meta, names = f.metadata() or {}, set(f.keys())
     except Exception as exc:  # safetensors raises its own error types for a damaged header
         raise ConfigError(f"trainer.replay_rollouts_from: {path} is not a readable rollout dump ({exc})") from None
     if meta.get("format") != DUMP_FORMAT or meta.get("step") != str(step):
@@ -161,6 +158,9 @@ def _metadata(path: Path, step: int, shape: dict[str, ShapeValue]) -> dict[str, 
         if meta.get(name) != str(value):
             raise ConfigError(f"trainer.replay_rollouts_from: {path} was dumped with {key}={meta.get(name)}, this "
                               f"run has {key}={value}; replay with the dumping run's batch shape")
+    if baselines and "reward_baselines" not in names:
+        raise ConfigError(f"trainer.replay_rollouts_from: {path} has no reward_baselines, which "
+                          "algorithm.adv_estimator=remax needs: replay a remax run's dump")
     return meta
 
 

@@ -64,7 +64,8 @@ class Trainer:
         self.device = get_device(t.device)
         self.world_size = t.nnodes * t.n_gpus_per_node
         self.derived = C.derive(cfg, self.world_size)
-        self.baselines = "reward_baselines" in estimator_inputs(cfg.algorithm.adv_estimator)  # ReMax's greedy ones
+        self.baseline_sampling = (baseline_sampling(cfg.actor_rollout_ref.rollout, self.derived.response_length)
+                                  if "reward_baselines" in estimator_inputs(cfg.algorithm.adv_estimator) else None)  # ReMax
         if workers is None:  # a caller that brings its own workers has built them from its own inputs
             check_inputs(cfg, use_critic=self.derived.use_critic)
         self.run_dir = Path(t.default_local_dir)
@@ -98,7 +99,7 @@ class Trainer:
             self.ckpt = CheckpointManager(self.run_dir, max_to_keep=t.max_actor_ckpt_to_keep)
             self.resume_from = self.ckpt.resolve_resume(t.resume_mode, t.resume_from_path)
             self.rollouts = RolloutSource(cfg, self.derived, self.rollout_and_reward, self.tokenizer, first_step=(
-                self.resume_from or (0,))[0] + 1, last_step=self.total_steps, baselines=self.baselines)  # replay: checks the dump
+                self.resume_from or (0,))[0] + 1, last_step=self.total_steps, baselines=self.baseline_sampling is not None)
             if self.resume_from is None:  # a fresh start: another run's files must not mix with this one's
                 prepare_fresh_start(self.run_dir, t.existing_run_dir)
             self.workers = workers if workers is not None else Workers.build(
@@ -192,7 +193,7 @@ class Trainer:
             prompts = self._next_prompts()
             with timer("gen"):
                 batch, gen_metrics, greedy = self.generate(prompts, self.train_sampling(step, num_gen),
-                                                           uid_prefix=f"s{step}g{num_gen}", baselines=self.baselines)
+                                                           uid_prefix=f"s{step}g{num_gen}", baseline=self.baseline_sampling)
             metrics.update(gen_metrics)
             with timer("reward"):
                 batch, reward_metrics = self.reward(batch, self.reward_fn)
@@ -222,21 +223,20 @@ class Trainer:
                     f"{fg.max_num_gen_batches}); raise it (0 = unlimited) or make the task less saturated")
             log.info("dynamic sampling: %d/%d prompts kept after %d batches; generating more", num_prompts, want, num_gen)
 
-    def generate(self, prompts: PromptBatch, sampling: SamplingConfig, uid_prefix: str, baselines: bool = False
-                 ) -> tuple[RolloutBatch, dict, RolloutBatch | None]:
-        """B prompts -> B*n responses (rows i*n..i*n+n-1 answer prompt i), spread over the ranks; with ``baselines``
-        also each prompt's greedy response, in the same engine wake (ReMax)."""
+    def generate(self, prompts: PromptBatch, sampling: SamplingConfig, uid_prefix: str,
+                 baseline: SamplingConfig | None = None) -> tuple[RolloutBatch, dict, RolloutBatch | None]:
+        """B prompts -> B*n responses (rows i*n..i*n+n-1 answer prompt i), spread over the ranks; with ``baseline``
+        sampling also one response per prompt, in the same engine wake (ReMax's greedy ones)."""
         n = sampling.n
         B = len(prompts)
         ids, mask = prompts.input_ids, prompts.attention_mask
         if B % self.world_size:  # too few prompts to split: repeat them and sample once each
             ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
             sampling = SamplingConfig(**{**sampling.__dict__, "n": 1})
-        greedy = baseline_sampling(self.cfg.actor_rollout_ref.rollout, self.derived.response_length) if baselines else None
         outs = self.workers.generate(ids, mask, sampling, step=self.global_step + 1,  # the step these weights serve
-                                     baseline=greedy)
+                                     baseline=baseline)
         return self._responses(prompts, outs, uid_prefix), reduce_metrics([o.metrics for o in outs]), (
-            self._responses(prompts, [o.baseline for o in outs], f"{uid_prefix}b") if baselines else None)
+            self._responses(prompts, [o.baseline for o in outs], f"{uid_prefix}b") if baseline else None)
 
     def _responses(self, prompts: PromptBatch, outs: list, uid_prefix: str) -> RolloutBatch:
         """The rank groups' outputs as rows, the same number of consecutive rows answering each prompt."""
