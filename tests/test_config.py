@@ -120,13 +120,20 @@ def test_a_loss_modes_settings_are_checked_and_another_modes_refused():
     assert load_config(BASE + [f"{mode}=sapo", f"{actor}.tau_pos=2.0"]).actor_rollout_ref.actor.tau_pos == 2.0
     assert load_config(BASE + [f"{mode}=dro", f"{actor}.policy_loss.dro_beta=0.1"]).actor_rollout_ref.actor.policy_loss.dro_beta == 0.1
     assert load_config(BASE + [f"{mode}=gspo", f"{actor}.clip_ratio_c=10.0"]).actor_rollout_ref.actor.clip_ratio_c == 10.0
+    # verl's SAPO examples also write the temperatures into the policy_loss block, which verl's SAPO never reads:
+    # accepted only where they equal the actor-level values it does read
+    sapo = BASE + [f"{mode}=sapo", f"{actor}.tau_neg=1.2"]
+    load_config(sapo + [f"+{actor}.policy_loss.tau_pos=1.0", f"+{actor}.policy_loss.tau_neg=1.2"])
+    with pytest.raises(ConfigError, match=rf"^not supported by grpo_npu: {actor}\.policy_loss\.tau_neg=1.05 \(verl's SAPO "
+                                          rf"loss reads {actor}\.tau_neg .*; supported values: 1.2$"):
+        load_config(sapo + [f"+{actor}.policy_loss.tau_neg=1.05"])
 
 
 def test_a_key_under_the_wrong_section_suggests_its_leaf_name_first():
-    """verl's SAPO examples write +actor.policy_loss.tau_pos, a path verl 0.9.1 reads nothing from; the key that
-    acts is actor.tau_pos, named first."""
-    with pytest.raises(ConfigError, match=r"did you mean actor_rollout_ref\.actor\.tau_pos, "):
-        load_config(BASE + ["+actor_rollout_ref.actor.policy_loss.tau_pos=1.0"])
+    """A clip setting written into the policy_loss block, where neither verl nor grpo_npu reads it: the key that
+    acts, actor.clip_ratio_high, is named first."""
+    with pytest.raises(ConfigError, match=r"did you mean actor_rollout_ref\.actor\.clip_ratio_high, "):
+        load_config(BASE + ["+actor_rollout_ref.actor.policy_loss.clip_ratio_high=0.28"])
     # a close match that shares the leaf stays first, ahead of other keys ending in .enable
     with pytest.raises(ConfigError, match=r"did you mean algorithm\.filter_groups\.enable, "):
         load_config(BASE + ["algorithm.filter_group.enable=True"])

@@ -87,6 +87,9 @@ RULES: tuple[Rule, ...] = tuple([
     Rule("reward_model.reward_kwargs.overlong_buffer_cfg.*", ALIAS, target="reward_model.overlong_buffer.*"),
     *_refuse("a DAPO length other than data.max_response_length", "reward.reward_kwargs.max_resp_len",
              "reward_model.reward_kwargs.max_resp_len", accepted=(None, "${data.max_response_length}")),
+    *[Rule(f"actor_rollout_ref.actor.policy_loss.{tau}", REFUSE,
+           f"verl's SAPO loss reads actor_rollout_ref.actor.{tau} and leaves this copy in the policy_loss block unread: "
+           f"set actor_rollout_ref.actor.{tau}", (f"${{actor_rollout_ref.actor.{tau}}}",)) for tau in ("tau_pos", "tau_neg")],
     Rule("actor_rollout_ref.actor.optim.clip_grad", ALIAS, target="actor_rollout_ref.actor.grad_clip"),
     Rule("critic.optim.clip_grad", ALIAS, target="critic.grad_clip"),
     Rule("actor_rollout_ref.actor.optim.lr_scheduler_type", ALIAS, target="actor_rollout_ref.actor.optim.warmup_style"),
