@@ -5,10 +5,11 @@ With tensor parallelism t > 1 every rank builds its own in-process vLLM engine w
 consecutive ranks from RANK / WORLD_SIZE. The ranks of a group run each engine step together, so they
 must be fed the same requests: the same prompts and the same sampling seed. They then return the same
 samples, and the driver keeps the first rank's copy only, so each prompt's n samples arrive once.
-With t = 1 every rank is its own group (data-parallel rollout). :func:`rollout_tp` says t for a rollout config
+With t = 1 every rank is its own group (data-parallel rollout). The grouping itself is
+:class:`grpo_npu.rank_groups.RankGroups`'s. :func:`rollout_tp` says t for a rollout config
 (the worker layout and the phase-limit floors both read it).
 
-    layout = RolloutLayout(world_size=4, tp=2)         # groups {0, 1} and {2, 3}
+    layout = RolloutLayout(world_size=4, size=2)       # tp 2: groups {0, 1} and {2, 3}
     per_rank = layout.per_rank_inputs(ids, mask, sampling)   # ranks 0, 1 get half 0; ranks 2, 3 half 1
     outputs = layout.one_per_group(group.call_ranks("generate", per_rank))   # ranks 0 and 2
 """
@@ -17,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from grpo_npu.errors import ConfigError
+from grpo_npu.rank_groups import RankGroups
 
 # Group g samples with seed + g * GROUP_SEED_STRIDE: groups never share a sample stream.
 GROUP_SEED_STRIDE = 1_000_003
@@ -33,27 +35,17 @@ def rollout_tp(rollout: Any) -> int:
 
 
 @dataclass(frozen=True)
-class RolloutLayout:
+class RolloutLayout(RankGroups):
     """``world_size`` ranks in groups of ``tp`` consecutive ranks (one engine per group)."""
 
-    world_size: int
-    tp: int = 1
-
     def __post_init__(self) -> None:
-        if self.tp < 1 or self.world_size % self.tp:
-            raise ConfigError(f"{TP_KEY}={self.tp} must divide the {self.world_size} ranks "
+        if self.size < 1 or self.world_size % self.size:
+            raise ConfigError(f"{TP_KEY}={self.size} must divide the {self.world_size} ranks "
                               "(trainer.nnodes x trainer.n_gpus_per_node)")
 
     @property
-    def groups(self) -> int:
-        return self.world_size // self.tp
-
-    def group_of(self, rank: int) -> int:
-        return rank // self.tp
-
-    def leaders(self) -> list[int]:
-        """The first rank of each group: the one whose outputs the driver keeps."""
-        return [g * self.tp for g in range(self.groups)]
+    def tp(self) -> int:
+        return self.size
 
     def per_rank_inputs(self, prompt_ids, prompt_mask, sampling) -> list[tuple]:
         """(prompt_ids (B/groups, P), prompt_mask, sampling) per rank: group g's chunk and seed on each of its ranks."""
@@ -65,10 +57,4 @@ class RolloutLayout:
         for g in range(self.groups):
             seed = None if sampling.seed is None else sampling.seed + g * GROUP_SEED_STRIDE
             per_group.append((ids[g], masks[g], dataclasses.replace(sampling, seed=seed)))
-        return [per_group[self.group_of(r)] for r in range(self.world_size)]
-
-    def one_per_group(self, outputs: Sequence[Any]) -> list[Any]:
-        """The leaders' outputs, in group order (the other ranks of a group returned the same samples)."""
-        if len(outputs) != self.world_size:
-            raise ValueError(f"expected one output per rank ({self.world_size}), got {len(outputs)}")
-        return [outputs[r] for r in self.leaders()]
+        return self.per_rank(per_group)
