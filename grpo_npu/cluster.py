@@ -14,8 +14,9 @@ import torch
 
 from grpo_npu import compat
 from grpo_npu.batch import RolloutBatch
-from grpo_npu.config import Config
+from grpo_npu.config import Config, derive
 from grpo_npu.device import get_device
+from grpo_npu.rank_groups import RankGroups
 from grpo_npu.rollout.base import GenerationOutput, SamplingConfig
 from grpo_npu.rollout.layout import RolloutLayout, rollout_tp
 from grpo_npu.rollout.vllm_settings import default_sleep_level
@@ -54,11 +55,15 @@ def check_stack(cfg: Config, *, with_rollout: bool) -> None:
 class Workers:
     """Typed calls over a worker group; every call is collective across ranks."""
 
-    def __init__(self, group: WorkerGroup, rollout_tp: int = 1) -> None:
-        """``rollout_tp``: ranks per rollout engine (vLLM tensor parallelism; 1 for data-parallel rollout)."""
+    def __init__(self, group: WorkerGroup, rollout_tp: int = 1, sequence_parallel: dict[str, int] | None = None) -> None:
+        """``rollout_tp``: ranks per rollout engine (vLLM tensor parallelism; 1 for data-parallel rollout).
+        ``sequence_parallel``: Ulysses ranks per group of each model role ('actor', 'ref', 'critic'; 1 if absent),
+        whose ranks all get the same rows."""
         self.group = group
         self.world_size = group.world_size
         self.layout = RolloutLayout(group.world_size, rollout_tp)
+        sizes = sequence_parallel or {}
+        self.row_groups = {role: RankGroups(group.world_size, sizes.get(role, 1)) for role in ("actor", "ref", "critic")}
 
     @classmethod
     def build(cls, cfg: Config, *, total_training_steps: int, worker_cls: type = HybridWorker,
@@ -66,6 +71,7 @@ class Workers:
         rollout = cfg.actor_rollout_ref.rollout
         tp = rollout_tp(rollout) if with_rollout else 1
         layout = RolloutLayout(cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node, tp)  # refuses a tp before any start
+        d = derive(cfg)
         check_stack(cfg, with_rollout=with_rollout)
         group = make_group(cfg, worker_cls, (cfg, with_rollout))
         try:
@@ -74,7 +80,7 @@ class Workers:
             group.close()
             raise
         log.info("workers: %d rank(s), roles %s", group.world_size, {k: v for k, v in built.items() if v})
-        return cls(group, layout.tp)
+        return cls(group, layout.tp, {"actor": d.sp, "ref": d.ref_sp, "critic": d.critic_sp})
 
     # -- rollout --------------------------------------------------------------------------------
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig, step: int = 0,
@@ -89,26 +95,33 @@ class Workers:
         return self.layout.one_per_group(self.group.call_ranks("generate", per_rank, step=step, baseline=baseline))
 
     # -- scoring --------------------------------------------------------------------------------
+    def rows_call(self, method: str, batch: RolloutBatch, role: str) -> list:
+        """Data-parallel group g of ``role`` gets the g-th equal chunk of ``batch`` on each of its ranks; one answer
+        per group, in row order."""
+        groups = self.row_groups[role]
+        per_rank = groups.per_rank([(chunk,) for chunk in batch.chunk(groups.groups)])
+        return groups.one_per_group(self.group.call_ranks(method, per_rank))
+
     def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """Old-policy log-probs (B, T) and the actor/entropy metric (already reduced over ranks)."""
-        outs = self.group.chunk_and_call("compute_log_prob", batch)
+        outs = self.rows_call("compute_log_prob", batch, "actor")
         return torch.cat([o[0] for o in outs]), outs[0][1]
 
     def compute_ref_log_prob(self, batch: RolloutBatch) -> torch.Tensor:
-        return torch.cat(self.group.chunk_and_call("compute_ref_log_prob", batch))
+        return torch.cat(self.rows_call("compute_ref_log_prob", batch, "ref"))
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
-        return torch.cat(self.group.chunk_and_call("compute_values", batch))
+        return torch.cat(self.rows_call("compute_values", batch, "critic"))
 
     # -- updates (metrics are reduced over ranks inside the workers: rank 0's copy is the answer) --
     def update_actor(self, batch: RolloutBatch) -> dict[str, float]:
-        return self.group.chunk_and_call("update_actor", batch)[0]
+        return self.rows_call("update_actor", batch, "actor")[0]
 
     def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
-        return self.group.chunk_and_call("update_critic", batch)[0]
+        return self.rows_call("update_critic", batch, "critic")[0]
 
     def sft_update(self, batch: RolloutBatch) -> dict[str, float]:
-        return self.group.chunk_and_call("sft_update", batch)[0]
+        return self.rows_call("sft_update", batch, "actor")[0]
 
     # -- state ----------------------------------------------------------------------------------
     def save_checkpoint(self, out_dir: str, step: int) -> None:

@@ -154,7 +154,8 @@ class StepLimits:
             return 0
         d = self.derived
         size = d.critic_mini_batch_responses_per_rank if critic else d.mini_batch_responses_per_rank
-        return -(-(rows // self.world_size) // size)
+        groups = self.world_size // (d.critic_sp if critic else d.sp)  # each data-parallel group's rows
+        return -(-(rows // groups) // size)
 
     def verdict(self) -> str:
         """One line: the phase furthest from its limit over the run (see ``perf.report.verdict``)."""
@@ -172,26 +173,28 @@ def phase_passes(cfg, d: Derived, lengths: Sequence[int]) -> dict[str, Passes]:
     """How each model-pass phase splits a rank's rows into passes (as the workers plan them: fixed row counts, or
     token budgets over the first rank's share of ``lengths``), with the key that sets a pass's size."""
     arr, critic = cfg.actor_rollout_ref, cfg.critic
-    rank_rows = d.train_batch_responses // d.world_size
+    def rank_rows(sp: int) -> int:  # a rank's rows: those of its data-parallel group (Ulysses ranks share them)
+        return d.train_batch_responses // (d.world_size // sp)
+
     # phase: (rows per batch, fixed rows per pass and its key, dynamic?, token budget and its key, the switch to it)
     phases = {
         "update_actor": (d.mini_batch_responses_per_rank, d.micro_batch_per_rank,
                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", arr.actor.use_dynamic_bsz,
-                         arr.actor.ppo_max_token_len_per_gpu, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                         arr.actor.ppo_max_token_len_per_gpu * d.sp, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
                          "actor_rollout_ref.actor.use_dynamic_bsz=True"),
-        "old_log_prob": (rank_rows, d.log_prob_micro_batch_per_rank,
+        "old_log_prob": (rank_rows(d.sp), d.log_prob_micro_batch_per_rank,
                          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", d.log_prob_use_dynamic_bsz,
                          d.log_prob_max_token_len, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
                          "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True"),
-        "ref": (rank_rows, d.ref_log_prob_micro_batch_per_rank,
+        "ref": (rank_rows(d.ref_sp), d.ref_log_prob_micro_batch_per_rank,
                 "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", d.ref_log_prob_use_dynamic_bsz,
                 d.ref_log_prob_max_token_len, "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
                 "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True"),
         "update_critic": (d.critic_mini_batch_responses_per_rank, d.critic_micro_batch_per_rank,
                           "critic.ppo_micro_batch_size_per_gpu", d.critic_use_dynamic_bsz,
-                          critic.ppo_max_token_len_per_gpu, "critic.ppo_max_token_len_per_gpu",
+                          critic.ppo_max_token_len_per_gpu * d.critic_sp, "critic.ppo_max_token_len_per_gpu",
                           "critic.use_dynamic_bsz=True"),
-        "values": (rank_rows, d.values_micro_batch_per_rank, "critic.forward_micro_batch_size_per_gpu",
+        "values": (rank_rows(d.critic_sp), d.values_micro_batch_per_rank, "critic.forward_micro_batch_size_per_gpu",
                    d.critic_use_dynamic_bsz, d.values_max_token_len, "critic.forward_max_token_len_per_gpu",
                    "critic.use_dynamic_bsz=True"),
     }
@@ -210,7 +213,7 @@ def phase_passes(cfg, d: Derived, lengths: Sequence[int]) -> dict[str, Passes]:
 def log_prob_rows(d: Derived, length: int) -> int:
     """Rows in one micro-batch of the larger log-prob pass (old policy or reference): its fixed size, or, packed to a
     token budget, the rows of ``length`` tokens a full budget holds, at most a rank's batch."""
-    rows = d.train_batch_responses // d.world_size
+    rows = d.train_batch_responses // (d.world_size // d.sp)
 
     def one(dynamic: bool, budget: int, fixed: int | None) -> int:
         return min(rows, max(1, budget // length)) if dynamic or fixed is None else fixed
@@ -226,7 +229,7 @@ def memory_plan_metrics(cfg, d: Derived, dev: Device, shape: ModelShape, dtype, 
     arr, world_size = cfg.actor_rollout_ref, d.world_size
     actor, rollout = arr.actor, arr.rollout
     length = d.prompt_length + d.response_length
-    tokens_micro = max(1, actor.ppo_max_token_len_per_gpu // length)  # dynamic batch size: rows of a full budget
+    tokens_micro = max(1, actor.ppo_max_token_len_per_gpu * d.sp // length)  # dynamic batch size: rows of a full budget
     kv = None
     if rollout.name == "vllm" and not dev.is_accelerator:
         kv = int((rollout.engine_kwargs.get("vllm", {}) or {}).get("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES))
@@ -240,7 +243,8 @@ def memory_plan_metrics(cfg, d: Derived, dev: Device, shape: ModelShape, dtype, 
         reshard_after_forward=actor_reshard_after_forward(arr, dev, world_size),
         fsdp_wrapped=actor_fsdp_wrap_on(arr, dev, world_size),
         optimizer_offload=actor.fsdp_config.optimizer_offload, param_offload=actor.fsdp_config.param_offload,
-        kv_cache_bytes=kv))
+        kv_cache_bytes=kv, sequence_parallel=d.sp,
+        activation_offload=arr.model.enable_activation_offload and dev.is_accelerator))
     log.info("%s", memory_table(plan, capacity))
     for message in over_capacity(plan, capacity):
         log.warning("%s", message)

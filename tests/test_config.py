@@ -264,8 +264,9 @@ def test_help_says_which_values_a_kept_key_is_limited_to():
 
     assert entry("actor_rollout_ref.actor.use_torch_compile").endswith(
         "Only False here; other values are refused (not in grpo_npu: torch.compile of the log-prob computation).")
-    assert "Only 1 here; other values are refused (not in grpo_npu: sequence parallelism (Ulysses))" in entry(
-        "critic.ulysses_sequence_parallel_size")
+    assert "Only 0 here; other values are refused (not in grpo_npu: data-loader worker processes" in entry(
+        "data.dataloader_num_workers")
+    assert "refused" not in entry("critic.ulysses_sequence_parallel_size")
     assert "refused" not in entry("data.shuffle")
     assert entry("data.return_raw_chat").endswith("Every value runs the same here: verl keeps the messages for rollouts "
                                                   "that template them themselves (its agent loop); grpo_npu's single-turn "
@@ -274,7 +275,7 @@ def test_help_says_which_values_a_kept_key_is_limited_to():
     for value in ("True", "False"):  # verl's examples set it for their agent loop: accepted either way
         load_config(BASE + [f"data.return_raw_chat={value}", f"actor_rollout_ref.rollout.layered_summon={value}"])
     limited = refused_schema_keys(tuple(spec.key for spec in iter_keys()))
-    assert len(limited) == 25 and text.count("other values are refused") == len(limited)  # each such key, once
+    assert len(limited) == 21 and text.count("other values are refused") == len(limited)  # each such key, once
     assert all("other values are refused" in entry(key) for key in limited)
 
 
@@ -521,3 +522,35 @@ def test_interpolations_on_the_command_line_resolve_against_the_whole_config(mon
     assert list(cfg.data.val_files) == ["t.parquet"]
     with pytest.raises(ConfigError, match=r"^trainer\.experiment_name: Interpolation key 'trainer\.nope' not found"):
         load_config(BASE + ["trainer.experiment_name=${trainer.nope}"])
+
+
+def test_ulysses_sequence_parallelism_keys_and_their_limits():
+    """verl's four homes of the Ulysses size act; the sizes change the per-rank arithmetic to data-parallel groups
+    and the token budgets to the group's; what sequence parallelism cannot split is refused in one line."""
+    sp = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+    base = BASE + ["actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.use_kl_loss=True"]
+    cfg = load_config(base + ["actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2"])
+    d = derive(cfg, 2)
+    assert cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 2
+    assert (d.sp, d.ref_sp, d.critic_sp) == (2, 2, 1)  # the reference follows the actor, as verl interpolates it
+    assert d.mini_batch_responses_per_rank == 4  # ppo_mini_batch_size x n = 4 x 1 over ONE data-parallel group of 2
+    assert d.log_prob_max_token_len == 2 * cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
+    d = derive(load_config(base + [f"{sp}=2", "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size=1",
+                                   "critic.fsdp.ulysses_sequence_parallel_size=2", "critic.model.use_remove_padding=True"]), 2)
+    assert (d.sp, d.ref_sp, d.critic_sp) == (2, 1, 2)
+    with pytest.raises(ConfigError, match=rf"^actor_rollout_ref\.actor\.fsdp_config\.ulysses_sequence_parallel_size=4 "
+                                          rf"and {sp}=2 are one setting in grpo_npu \({sp}\); give it once$"):
+        load_config(base + ["actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=4", f"{sp}=2"])
+    with pytest.raises(ConfigError, match=rf"^{sp}=2 splits packed rows: set actor_rollout_ref\.model\.use_remove_padding=True$"):
+        load_config(BASE + [f"{sp}=2"])
+    with pytest.raises(ConfigError, match=r"^critic\.ulysses_sequence_parallel_size=2 splits packed rows: set "
+                                          r"critic\.model\.use_remove_padding=True$"):
+        load_config(BASE + ["critic.ulysses_sequence_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model\.share_prompt_prefix=True packs each prompt once"):
+        load_config(base + [f"{sp}=2", "actor_rollout_ref.model.share_prompt_prefix=True"])
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.ref\.ulysses_sequence_parallel_size=1: with LoRA the "
+                                          r"reference is the actor's module"):
+        load_config(base + [f"{sp}=2", "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1",
+                            "actor_rollout_ref.model.lora_rank=8"])
+    with pytest.raises(ConfigError, match=rf"^{sp}=3 must be >= 1 and divide the 2 ranks"):
+        load_config(base + [f"{sp}=3"])

@@ -79,12 +79,14 @@ def test_second_homes_act():
                               "actor_rollout_ref.actor.optim.clip_grad=0.5", "reward.reward_manager.name=dapo"])
     assert cfg.ray_init.num_cpus == 3 and cfg.ray_init.runtime_env["py_executable"] == "py"
     assert cfg.actor_rollout_ref.actor.grad_clip == 0.5 and cfg.reward_model.reward_manager == "dapo"
+    prefix = load_config(BASE + ["actor_rollout_ref.actor.use_prefix_grouper=True"])  # verl's PrefixGrouper
+    assert prefix.actor_rollout_ref.model.share_prompt_prefix is True
 
 
 @pytest.mark.parametrize("key,value,feature", [
     ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size", "2", "Megatron"),
     ("actor_rollout_ref.actor.strategy", "megatron", "training backend"),
-    ("actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", "2", "sequence parallelism"),
+    ("actor_rollout_ref.actor.fsdp_config.turbo_config.distributed.ulysses_parallel_size", "2", "fsdp_turbo"),
     ("model_engine", "veomni", "model engine"),
     ("algorithm.rollout_correction.bypass_mode", "True", "bypass mode"),
     ("+algorithm.rollout_correction.rollout_token_veto_threshold", "0.1", "rollout correction"),

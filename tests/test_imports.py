@@ -23,7 +23,7 @@ PACKAGE_DIR = Path(grpo_npu.__file__).parent
 # the config validates against) are on the lowest floor wherever they live.
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("errors", "io", "env", "names", "logs"),  # standard library only
-    ("device", "batch", "config", "determinism"),
+    ("device", "batch", "config", "determinism", "rank_groups"),
     ("algo", "ops", "data", "reward", "models", "metrics", "perf", "checkpoint", "rundir", "input_checks",
      "installation", "compat", "preflight", "tracking", "run_control", "samples", "replay"),
     ("rollout", "workers"),

@@ -74,7 +74,7 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     """Recompute decoder-layer activations in backward, every layer's but the last (less memory, ~30% more compute)."""
     enable_activation_offload: bool = False
-    """Offload checkpointed activations to the host (not implemented; must stay False)."""
+    """Keep the actor update's saved activations in host memory between forward and backward (on NPU/GPU; on CPU they are there already)."""
     use_remove_padding: bool = False
     """Pack sequences without padding for log-prob and update passes (varlen attention, no (N, N) mask)."""
     use_fused_kernels: Optional[bool] = None
@@ -198,7 +198,7 @@ class ActorConfig:
     data_loader_seed: Optional[int] = None
     """Seed of that shuffle (None: trainer seed)."""
     ulysses_sequence_parallel_size: int = 1
-    """Sequence parallelism (not implemented; must be 1)."""
+    """Ulysses sequence parallelism: ranks that split each micro-batch's tokens between them (1: off; needs model.use_remove_padding)."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """Policy-loss selection."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -221,8 +221,8 @@ class RefConfig:
     """Token budget per packed micro-batch (None: actor.ppo_max_token_len_per_gpu)."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 settings of the frozen reference policy (with LoRA there is none: the reference is the actor's module)."""
-    ulysses_sequence_parallel_size: int = 1
-    """Sequence parallelism (not implemented; must be 1)."""
+    ulysses_sequence_parallel_size: Optional[int] = None
+    """Ulysses sequence parallelism of the reference pass (None: actor.ulysses_sequence_parallel_size)."""
 
 
 @dataclass(frozen=True)

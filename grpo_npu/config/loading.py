@@ -78,6 +78,7 @@ def _quoted_if_text(key: str, value: str) -> str:
 def read_overrides(items: list[str]) -> Overrides:
     """Sort ``[+|++]key=value`` and ``~key`` items (Hydra's forms, as verl reads them) against the schema."""
     values: dict[str, str] = {}
+    spelled: dict[str, tuple[str, str]] = {}  # grpo_npu key -> (the key as written, its value): verl's second homes
     verl_only: dict[str, str] = {}
     deleted: list[str] = []
     for item in items:
@@ -94,8 +95,14 @@ def read_overrides(items: list[str]) -> Overrides:
             raise ConfigError(f"override {item!r} is not key=value")
         key, value = item.split("=", 1)
         prefix = "++" if key.startswith("++") else "+" if key.startswith("+") else ""
-        where, key = _classify(key[len(prefix):], value, prefix)
+        written = key[len(prefix):]
+        where, key = _classify(written, value, prefix)
         if where == "schema":
+            other = spelled.get(key)
+            if other is not None and other[0] != written and other[1] != value:
+                raise ConfigError(f"{other[0]}={other[1]} and {written}={value} are one setting in grpo_npu ({key}); "
+                                  "give it once")
+            spelled[key] = (written, value)
             values[key] = value
         else:
             verl_only[key] = value

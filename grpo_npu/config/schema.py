@@ -80,6 +80,8 @@ class CriticModelConfig:
     """Overrides for the HF model config."""
     enable_gradient_checkpointing: bool = True
     """Recompute decoder-layer activations in the critic's backward, every layer's but the last."""
+    enable_activation_offload: bool = False
+    """Keep the critic update's saved activations in host memory between forward and backward (on NPU/GPU)."""
     use_remove_padding: bool = False
     """Pack sequences without padding (varlen attention, no (N, N) mask)."""
     trust_remote_code: bool = False
@@ -123,7 +125,7 @@ class CriticConfig:
     loss_agg_mode: Optional[str] = None
     """Value-loss aggregation (None: actor.loss_agg_mode)."""
     ulysses_sequence_parallel_size: int = 1
-    """Sequence parallelism (not implemented; must be 1)."""
+    """Ulysses sequence parallelism of the critic (1: off; needs critic.model.use_remove_padding)."""
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,6 @@ MODEL_ENGINE = "a model engine other than verl's dp (FSDP) engine"
 VEOMNI = "the VeOmni engine"
 TORCHTITAN = "the TorchTitan engine"
 FSDP_TURBO = "the fsdp_turbo engine"
-SEQUENCE_PARALLEL = "sequence parallelism (Ulysses)"
 VISION = "vision-language data (images, videos, audio)"
 ROLLOUT_CORRECTION = "rollout correction (algorithm.rollout_correction)"
 LORA_CRITIC = "LoRA on the critic (the actor takes actor_rollout_ref.model.lora_rank)"
@@ -90,6 +89,13 @@ RULES: tuple[Rule, ...] = tuple([
     *[Rule(f"actor_rollout_ref.actor.policy_loss.{tau}", REFUSE,
            f"verl's SAPO loss reads actor_rollout_ref.actor.{tau} and leaves this copy in the policy_loss block unread: "
            f"set actor_rollout_ref.actor.{tau}", (f"${{actor_rollout_ref.actor.{tau}}}",)) for tau in ("tau_pos", "tau_neg")],
+    Rule("actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", ALIAS,
+         target="actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
+    Rule("actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size", ALIAS,
+         target="actor_rollout_ref.ref.ulysses_sequence_parallel_size"),
+    Rule("critic.fsdp.ulysses_sequence_parallel_size", ALIAS, target="critic.ulysses_sequence_parallel_size"),
+    # verl's PrefixGrouper: each prompt's forward shared by its responses, what share_prompt_prefix does
+    Rule("actor_rollout_ref.actor.use_prefix_grouper", ALIAS, target="actor_rollout_ref.model.share_prompt_prefix"),
     Rule("actor_rollout_ref.actor.optim.clip_grad", ALIAS, target="actor_rollout_ref.actor.grad_clip"),
     Rule("critic.optim.clip_grad", ALIAS, target="critic.grad_clip"),
     Rule("actor_rollout_ref.actor.optim.lr_scheduler_type", ALIAS, target="actor_rollout_ref.actor.optim.warmup_style"),
@@ -98,7 +104,6 @@ RULES: tuple[Rule, ...] = tuple([
     *_refuse("only the colocated hybrid engine", "actor_rollout_ref.hybrid_engine", accepted=(True,)),
     *_refuse("Liger kernels (CUDA-only; actor_rollout_ref.model.use_fused_kernels=True uses grpo_npu.ops)",
              "actor_rollout_ref.model.use_liger", accepted=(False,)),
-    *_refuse("activation offload", "actor_rollout_ref.model.enable_activation_offload", accepted=(False,)),
     *_refuse("HDFS upload", "trainer.default_hdfs_dir", accepted=(None,)),
     *_refuse("deleting the local checkpoint after loading it (with no HDFS copy here it is the only one)",
              "trainer.del_local_ckpt_after_load", accepted=(False,)),
@@ -130,7 +135,6 @@ RULES: tuple[Rule, ...] = tuple([
     *_refuse(VEOMNI, "*.veomni.*"),
     *_refuse(TORCHTITAN, "*.torchtitan.*"),
     *_refuse(FSDP_TURBO, "*.turbo_config.*"),
-    *_refuse(SEQUENCE_PARALLEL, "*ulysses*", accepted=(1,)),
     *_refuse(VISION, "data.image_key", "data.video_key", "data.audio_key", "data.image_patch_size",
              "data.return_multi_modal_inputs", "data.mm_processor_kwargs*", "*freeze_vision*", "*limit_images"),
     *_refuse("rollout correction's bypass mode (rollout log-probs as the old policy; decoupled: the actor "

@@ -210,7 +210,34 @@ def validate(cfg: Config) -> None:
     require(actor.use_dynamic_bsz or actor.ppo_micro_batch_size or actor.ppo_micro_batch_size_per_gpu,
             "set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz=True with "
             "ppo_max_token_len_per_gpu)")
+    _check_sequence_parallel(cfg)
     derive(cfg)  # the size arithmetic raises ConfigError with the explanation
+
+
+def _check_sequence_parallel(cfg: Config) -> None:
+    """Ulysses sequence parallelism splits packed rows (model.use_remove_padding), never shared-prompt packing; with
+    LoRA the reference is the actor's own module, so it splits as the actor does."""
+    arr = cfg.actor_rollout_ref
+    model, actor, ref = arr.model, arr.actor, arr.ref
+    for key, size, padding_key, remove_padding in (
+            ("actor_rollout_ref.actor", actor.ulysses_sequence_parallel_size, "actor_rollout_ref.model",
+             model.use_remove_padding),
+            ("actor_rollout_ref.ref", ref.ulysses_sequence_parallel_size or actor.ulysses_sequence_parallel_size,
+             "actor_rollout_ref.model", model.use_remove_padding),
+            ("critic", cfg.critic.ulysses_sequence_parallel_size, "critic.model", cfg.critic.model.use_remove_padding)):
+        if size > 1:
+            require(remove_padding, f"{key}.ulysses_sequence_parallel_size={size} splits packed rows: set "
+                                    f"{padding_key}.use_remove_padding=True")
+    if actor.ulysses_sequence_parallel_size > 1 or (ref.ulysses_sequence_parallel_size or 1) > 1:
+        require(model.share_prompt_prefix is not True,
+                "actor_rollout_ref.model.share_prompt_prefix=True packs each prompt once for all its responses, which "
+                "sequence parallelism (ulysses_sequence_parallel_size > 1) does not split; leave it null (auto: off "
+                "then) or set False")
+    if model.lora_rank > 0 and ref.ulysses_sequence_parallel_size is not None:
+        require(ref.ulysses_sequence_parallel_size == actor.ulysses_sequence_parallel_size,
+                f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref.ulysses_sequence_parallel_size}: with LoRA "
+                "the reference is the actor's module with its adapters off, so it runs with the actor's "
+                f"ulysses_sequence_parallel_size={actor.ulysses_sequence_parallel_size}")
 
 
 def _check_rollout_correction(cfg: Config) -> None:

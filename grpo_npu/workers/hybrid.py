@@ -99,7 +99,7 @@ class HybridWorker:
         if d.use_critic:
             dtypes["critic"] = compute_dtype_of(model, cfg.critic.model.fsdp_config, dev)
         onednn = onednn_linear_on(model, dev, dtypes.values())  # one switch for the CPU matmul path
-        share = share_prompt_prefix_on(model, dev)
+        share = share_prompt_prefix_on(model, dev) and d.sp == 1  # Ulysses splits plain packed rows only
         compiled = compile_layers_on(model, dev, onednn_linear=onednn)  # actor, reference and critic alike
         if self.rank == 0:  # the auto (None) values resolved for this device: what the run actually does
             log.info("model: use_fused_kernels=%s share_prompt_prefix=%s use_onednn_linear=%s compile_layers=%s on %s",
@@ -110,28 +110,30 @@ class HybridWorker:
             compute_dtype=dtypes["actor"], trainable=True,
             gradient_checkpointing=model.enable_gradient_checkpointing, fused_kernels=fused, seed=cfg.trainer.seed,
             shared_prefix=share, remove_padding=model.use_remove_padding, onednn_linear=onednn,
-            lora=self.lora, compile_layers=compiled, path_key=MODEL_PATH_KEY,
+            lora=self.lora, compile_layers=compiled, path_key=MODEL_PATH_KEY, sequence_parallel=d.sp,
         )
         self.actor = Actor(actor_module, dev, arr.actor, d, remove_padding=model.use_remove_padding,
                            temperature=arr.rollout.temperature, total_steps=total_steps, seed=cfg.trainer.seed,
-                           share_prefix=share)
+                           share_prefix=share, offload_activations=model.enable_activation_offload)
         if self.lora is not None and self.rank == 0:
             trainable, total = lora.num_params(actor_module)
             log.info("LoRA rank %d: %d of %d parameters (this rank's shards) train", self.lora.rank, trainable, total)
         if d.use_reference and self.lora is not None:
             self.ref = lora.BasePolicy(self.actor)  # the base model is the actor with its adapters off
         elif d.use_reference:
+            ref_share = share_prompt_prefix_on(model, dev) and d.ref_sp == 1
             ref_module = build_sharded(
                 CausalLMLogProbs, path=model.path, override_config=dict(model.override_config),
                 trust_remote_code=model.trust_remote_code, fsdp_cfg=arr.ref.fsdp_config, dev=dev,
                 compute_dtype=dtypes["ref"], trainable=False,
                 gradient_checkpointing=False, fused_kernels=fused, seed=cfg.trainer.seed,
-                shared_prefix=share, remove_padding=model.use_remove_padding, onednn_linear=onednn,
-                compile_layers=compiled, path_key=MODEL_PATH_KEY,
+                shared_prefix=ref_share, remove_padding=model.use_remove_padding, onednn_linear=onednn,
+                compile_layers=compiled, path_key=MODEL_PATH_KEY, sequence_parallel=d.ref_sp,
+                sp_key="actor_rollout_ref.ref",
             )
             self.ref = Policy(ref_module, dev, remove_padding=model.use_remove_padding,
                               temperature=arr.rollout.temperature, param_offload=arr.ref.fsdp_config.param_offload,
-                              share_prefix=share)
+                              share_prefix=ref_share)
         if d.use_critic:
             cm = cfg.critic.model
             path_key, path = self._critic_weights()
@@ -141,7 +143,7 @@ class HybridWorker:
                 compute_dtype=dtypes["critic"], trainable=True,
                 gradient_checkpointing=cm.enable_gradient_checkpointing, fused_kernels=fused, value_head=True,
                 seed=cfg.trainer.seed, remove_padding=cm.use_remove_padding, onednn_linear=onednn,
-                compile_layers=compiled, path_key=path_key,
+                compile_layers=compiled, path_key=path_key, sequence_parallel=d.critic_sp, sp_key="critic",
             )
             self.critic = Critic(critic_module, dev, cfg.critic, d, default_agg_mode=arr.actor.loss_agg_mode,
                                  total_steps=total_steps, seed=cfg.trainer.seed)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from grpo_npu import compat
 from grpo_npu.config import ActorRolloutRefConfig, FSDPConfig, ModelConfig
 from grpo_npu.device import Device
 from grpo_npu.ops import FUSED_OPS, PATCHABLE_OPS, VARLEN_ATTN_IMPLEMENTATIONS, linear_logprobs, patch_model
-from grpo_npu.workers import compiled_layers, fsdp, fsdp_gather, lora as lora_lib
+from grpo_npu.workers import compiled_layers, fsdp, fsdp_gather, lora as lora_lib, ulysses
 from grpo_npu.workers.model_inputs import ModelInputs, rows_at, scatter_valid
 
 log = logging.getLogger(__name__)
@@ -39,13 +39,28 @@ class ResponseModel(nn.Module):
     """
 
     onednn_linear = False  # build_sharded: the linear op is patched in, so the LM head's products go through it too
+    sp_group: dist.ProcessGroup | None = None  # build_sharded: Ulysses sequence parallelism's group (None: off)
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()
         self.hf = hf_model
 
-    def hidden_at_predictions(self, inputs: ModelInputs) -> torch.Tensor:
-        """(N, H) hidden states at the positions that predict each valid response token."""
+    @contextlib.contextmanager
+    def whole_sequences(self) -> Iterator[None]:
+        """Sequence parallelism off for the block: each rank runs its own rows whole (inputs that differ between the
+        ranks of a group, such as the weight-sync canary's probe of each rank's own prompts)."""
+        group, self.sp_group = self.sp_group, None
+        try:
+            yield
+        finally:
+            self.sp_group = group
+
+    def hidden_at_predictions(self, inputs: ModelInputs
+                              ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        """((n, H) hidden states that predict response tokens, their (n,) labels, gather): ``gather`` turns (n, ...)
+        outputs into the (N, ...) of every valid response token. n = N and ``gather`` is the identity unless the
+        model is sequence-parallel, where this rank holds n of the N (:mod:`grpo_npu.workers.ulysses`)."""
+        inputs, gather = ulysses.predictions(inputs, self.sp_group)
         out = self.hf.model(
             input_ids=inputs.input_ids,
             attention_mask=inputs.attention_mask,
@@ -54,18 +69,18 @@ class ResponseModel(nn.Module):
             **inputs.packed_kwargs,
         )
         hidden = out.last_hidden_state  # (b, L, H) | (1, n_tokens, H)
-        return rows_at(hidden.reshape(-1, hidden.shape[-1]), inputs.predict_index)
+        return rows_at(hidden.reshape(-1, hidden.shape[-1]), inputs.predict_index), inputs.labels, gather
 
 
 class CausalLMLogProbs(ResponseModel):
     """forward -> (logp (b, T) fp32, entropy (b, T) fp32 or None) of the response tokens."""
 
     def forward(self, inputs: ModelInputs, temperature: float, with_entropy: bool):
-        h = self.hidden_at_predictions(inputs)  # (N, H)
+        h, labels, gather = self.hidden_at_predictions(inputs)  # (n, H), (n,)
         weight = self.hf.get_output_embeddings().weight  # (V, H), gathered by the root's FSDP hook
-        out = linear_logprobs(h, weight.to(h.dtype), inputs.labels, temperature=temperature, with_entropy=with_entropy,
+        out = linear_logprobs(h, weight.to(h.dtype), labels, temperature=temperature, with_entropy=with_entropy,
                               onednn=self.onednn_linear)
-        logp, entropy = out if with_entropy else (out, None)
+        logp, entropy = gather(torch.stack(out, -1)).unbind(-1) if with_entropy else (gather(out), None)  # (N,) each
         valid = inputs.response_valid
         return scatter_valid(logp, valid), (scatter_valid(entropy, valid) if with_entropy else None)
 
@@ -115,13 +130,18 @@ def build_sharded(
     lora: lora_lib.LoraSettings | None = None,
     compile_layers: bool = False,
     path_key: str = "model.path",
+    sequence_parallel: int = 1,
+    sp_key: str = "actor_rollout_ref.actor",
 ) -> ResponseModel:
     """Load (rank 0 reads, others meta), patch, checkpoint, wrap and shard an HF model; weights from rank 0.
     One CPU rank with the defaults gets the model unwrapped, on its device (:func:`fsdp_wrap_on`).
-    ``path_key``: the config key that gave ``path``, named when its weights cannot be read."""
+    ``path_key``: the config key that gave ``path``, named when its weights cannot be read. ``sequence_parallel``:
+    Ulysses ranks per group (the section ``sp_key`` set it), which split each packed micro-batch's tokens."""
     master_dtype = fsdp.resolve_dtype(fsdp_cfg.model_dtype, dev) if trainable else compute_dtype
     config = fsdp.load_hf_config(path, override_config, trust_remote_code=trust_remote_code,
                                  num_labels=1 if value_head else None)
+    if sequence_parallel > 1:
+        ulysses.check_heads(config, sequence_parallel, sp_key)
     torch.manual_seed(seed)  # a freshly initialised value head is the same wherever it is built
     hf_model = fsdp.load_hf_model(path, config, dtype=master_dtype, value_head=value_head,
                                   trust_remote_code=trust_remote_code, key=path_key)
@@ -129,7 +149,7 @@ def build_sharded(
         lora_lib.apply_lora(hf_model, lora)
     patch_ops = ops_to_patch(fused_kernels=fused_kernels, onednn_linear=onednn_linear, shared_prefix=shared_prefix,
                              remove_padding=remove_padding, attn_implementation=config._attn_implementation,
-                             device_kind=dev.kind)
+                             device_kind=dev.kind, sequence_parallel=sequence_parallel > 1)
     if patch_ops:
         log.info("patched ops: %s", patch_model(hf_model, ops=patch_ops))
     if gradient_checkpointing:
@@ -143,6 +163,7 @@ def build_sharded(
     full_state = hf_model.state_dict() if dist.get_rank() == 0 and dist.get_world_size() > 1 else {}
     wrapper = wrapper_cls(hf_model)
     wrapper.onednn_linear = "linear" in patch_ops
+    wrapper.sp_group = ulysses.sequence_group(sequence_parallel)
     if not fsdp_wrap_on(fsdp_cfg, dev, world_size=dist.get_world_size(), compute_dtype=compute_dtype,
                         master_dtype=master_dtype):
         return wrapper.to(dev.torch_device())
@@ -167,7 +188,7 @@ def build_sharded(
 
 
 def ops_to_patch(*, fused_kernels: bool, onednn_linear: bool, shared_prefix: bool, remove_padding: bool,
-                 attn_implementation: str, device_kind: str) -> tuple[str, ...]:
+                 attn_implementation: str, device_kind: str, sequence_parallel: bool = False) -> tuple[str, ...]:
     """The grpo_npu ops :func:`build_sharded` patches into a model: with fused kernels, those of
     :data:`FUSED_OPS` for the device kind; and in any case
 
@@ -176,9 +197,10 @@ def ops_to_patch(*, fused_kernels: bool, onednn_linear: bool, shared_prefix: boo
       (model.use_remove_padding), whose varlen path attends per packed sequence without any mask: SDPA
       and eager would otherwise attend through one (N, N) block-diagonal mask over all N tokens of the
       micro-batch. An implementation that reads ``cu_seq_lens_q/k`` itself (flash-attn's varlen kernel,
-      ``attn_implementation=flash_attention_2``) builds no mask either and is kept.
+      ``attn_implementation=flash_attention_2``) builds no mask either and is kept, except under Ulysses
+      sequence parallelism (``sequence_parallel``), whose all-to-alls live in the ``grpo_npu`` attention.
     """
-    packed = remove_padding and attn_implementation not in VARLEN_ATTN_IMPLEMENTATIONS
+    packed = remove_padding and (attn_implementation not in VARLEN_ATTN_IMPLEMENTATIONS or sequence_parallel)
     wanted = {"linear": onednn_linear, "attention": shared_prefix or packed}
     fused = FUSED_OPS[device_kind] if fused_kernels else ()
     return tuple(op for op in PATCHABLE_OPS if wanted.get(op) or op in fused)

@@ -12,7 +12,8 @@ for one micro-batch (a :data:`MicroLossFn`); this module does the rest, the same
 - the global gradient norm, clipping to ``grad_clip``, and a skipped step when the norm is not finite;
 - one optimizer step per mini-batch, one scheduler step per update;
 - parameters and optimizer state on the device for the update only (``param_offload`` /
-  ``optimizer_offload``);
+  ``optimizer_offload``); with ``offload_activations`` the tensors autograd saves between a micro-batch's
+  forward and its backward wait in (pinned) host memory (:func:`offloaded_activations`);
 - metric sums and maxima accumulated on the device and reduced across ranks once per update.
 
 Every collective here carries float32 (metrics) or int64 (counts): HCCL has no float64 all-reduce,
@@ -25,6 +26,7 @@ import functools
 import logging
 import math
 import warnings
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -96,7 +98,7 @@ class UpdateLoop:
 
     def __init__(self, module: nn.Module, dev: Device, optim: OptimConfig, fsdp_cfg: FSDPConfig, *, grad_clip: float,
                  total_steps: int, micro_size: int | None, max_tokens: int | None, horizon: int | None,
-                 shuffle_seed: int | None):
+                 shuffle_seed: int | None, offload_activations: bool = False):
         self.module = module
         self.dev = dev
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -110,6 +112,7 @@ class UpdateLoop:
         self.micro_size = micro_size
         self.max_tokens = max_tokens
         self.horizon = horizon
+        self.offload_activations = offload_activations
 
     def run(self, batch: RolloutBatch, loss_fn: MicroLossFn, *, epochs: int, mini_batch_size: int,
             shuffle: bool = True, loss_tokens: LossTokensFn | None = None) -> UpdateStats:
@@ -148,8 +151,9 @@ class UpdateLoop:
         groups = plan_micro_batches(mini, size=self.micro_size, max_tokens=self.max_tokens, dev=self.dev)
         scale = dist.get_world_size()  # FSDP averages gradients over ranks; the losses are global sums
         for rows in groups:
-            out = loss_fn(trim_padding(mini.select(rows)).to(device), agg)
-            (out.loss * scale).backward()
+            with offloaded_activations(self.offload_activations, self.dev):
+                out = loss_fn(trim_padding(mini.select(rows)).to(device), agg)
+                (out.loss * scale).backward()
             if totals is not None:
                 totals.add(out)
         if totals is not None:
@@ -205,6 +209,19 @@ class _Totals:
             packed = fsdp.all_reduce(torch.stack(list(values.values())), op)  # (k,) float32
             out.append(dict(zip(values, packed.tolist())))
         return out[0], out[1], int(self.tokens)
+
+
+def offloaded_activations(on: bool, dev: Device):
+    """Activation offload (verl's ``model.enable_activation_offload``): while on, every tensor autograd saves for
+    the backward is copied to host memory when saved and back when the backward reads it
+    (``torch.autograd.graph.save_on_cpu``). Under gradient checkpointing those are each layer's inputs and the last
+    layer's and the loss's tensors; the recomputed layers keep theirs on the device for their own backward only.
+    The device then holds one layer's activations at a time instead of one per layer, for the price of a copy out
+    and back of each saved tensor (into pinned host memory on an accelerator: ``device_type`` names the torch
+    module, torch.npu or torch.cuda, whose pinning the copies use). Gradients are unchanged."""
+    if not on:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=dev.is_accelerator, device_type=dev.kind)
 
 
 def global_counts(mask: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,19 @@ def test_components_follow_the_parallel_layout_and_settings():
     assert one_rank["optimizer"] == 8 * upd["optimizer"] and one_rank["gathered"] == upd["gathered"]  # whole copies
     hf = plan_memory(inputs(rollout="hf"))["rollout"]
     assert hf["kv_cache"] == 64 * (512 + 1024) * QWEN05.kv_bytes_per_token("bf16")
+    # activation offload: what autograd saves waits on the host, one layer's tensors remain on the device
+    offloaded = plan_memory(inputs(activation_offload=True))["update_actor"]["activations"]
+    assert offloaded < upd["activations"]  # the checkpointed layers' inputs are gone
+    offloaded = plan_memory(inputs(activation_offload=True, gradient_checkpointing=False))["update_actor"]["activations"]
+    assert offloaded == plan_memory(inputs(activation_offload=True))["update_actor"]["activations"] < no_ckpt / 5
+    # Ulysses: 2 ranks share each micro-batch's tokens; the activations halve but for the log-prob op's fixed-size
+    # blocks, the states do not change
+    split = plan_memory(inputs(sequence_parallel=2))
+    for phase in ("old_log_prob", "update_actor"):
+        whole = plan_memory(inputs())[phase]
+        assert 0.5 * whole["activations"] <= split[phase]["activations"] < 0.55 * whole["activations"]
+        assert {k: v for k, v in split[phase].items() if k != "activations"} == {
+            k: v for k, v in whole.items() if k != "activations"}
 
 
 # one Qwen2.5-0.5B decoder layer's matmul weights (q, o; k, v; gate, up, down) and the root unit's (the tied embedding)
