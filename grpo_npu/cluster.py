@@ -7,8 +7,10 @@ training step makes, each returning driver-side tensors in the batch's row order
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from typing import Iterable, Iterator
 
 import torch
 
@@ -55,11 +57,13 @@ def check_stack(cfg: Config, *, with_rollout: bool) -> None:
 class Workers:
     """Typed calls over a worker group; every call is collective across ranks."""
 
-    def __init__(self, group: WorkerGroup, rollout_tp: int = 1, sequence_parallel: dict[str, int] | None = None) -> None:
+    def __init__(self, group: WorkerGroup, rollout_tp: int = 1, sequence_parallel: dict[str, int] | None = None,
+                 profiled_steps: Iterable[int] = ()) -> None:
         """``rollout_tp``: ranks per rollout engine (vLLM tensor parallelism; 1 for data-parallel rollout).
         ``sequence_parallel``: Ulysses ranks per group of each model role ('actor', 'ref', 'critic'; 1 if absent),
-        whose ranks all get the same rows."""
+        whose ranks all get the same rows. ``profiled_steps``: the steps global_profiler traces."""
         self.group = group
+        self.profiled_steps = frozenset(profiled_steps)
         self.world_size = group.world_size
         self.layout = RolloutLayout(group.world_size, rollout_tp)
         sizes = sequence_parallel or {}
@@ -80,7 +84,9 @@ class Workers:
             group.close()
             raise
         log.info("workers: %d rank(s), roles %s", group.world_size, {k: v for k, v in built.items() if v})
-        return cls(group, layout.tp, {"actor": d.sp, "ref": d.ref_sp, "critic": d.critic_sp})
+        profiler = cfg.global_profiler
+        return cls(group, layout.tp, {"actor": d.sp, "ref": d.ref_sp, "critic": d.critic_sp},
+                   profiled_steps=(profiler.steps or ()) if profiler.tool is not None else ())
 
     # -- rollout --------------------------------------------------------------------------------
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig, step: int = 0,
@@ -93,6 +99,18 @@ class Workers:
         """
         per_rank = self.layout.per_rank_inputs(prompt_ids, prompt_mask, sampling)
         return self.layout.one_per_group(self.group.call_ranks("generate", per_rank, step=step, baseline=baseline))
+
+    @contextlib.contextmanager
+    def profiling(self, step: int) -> Iterator[None]:
+        """Each rank's traces of ``step`` open for the block, when global_profiler lists it (else no call at all)."""
+        if step not in self.profiled_steps:
+            yield
+            return
+        self.group.call("profile_begin", step)
+        try:
+            yield
+        finally:
+            self.group.call("profile_end")
 
     # -- scoring --------------------------------------------------------------------------------
     def rows_call(self, method: str, batch: RolloutBatch, role: str) -> list:

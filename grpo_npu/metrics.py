@@ -7,7 +7,7 @@ or plain numbers in, a flat ``{name: float}`` dict out. Shapes: B responses, T r
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -40,8 +40,11 @@ def compute_data_metrics(
     use_critic: bool,
     max_response_length: int,
     max_prompt_length: int | None = None,
+    reward_component_keys: Sequence[str] = (),
 ) -> dict[str, float]:
-    """Score, reward, advantage, return (and value) statistics plus prompt/response lengths.
+    """Score, reward, advantage, return (and value) statistics plus prompt/response lengths; for each of
+    ``reward_component_keys`` (GDPO's algorithm.gdpo_reward_keys) verl's ``gdpo/<key>/mean|std|max|min`` of the
+    rows' values (population std).
 
     Sequence score = sum over tokens of token_level_scores, sequence reward = sum of
     token_level_rewards; advantages, returns and values are summarised over valid response tokens.
@@ -77,6 +80,9 @@ def compute_data_metrics(
     metrics["response_length/clip_ratio"] = (response_length == max_response_length).double().mean().item()
     metrics |= _stats("prompt_length", prompt_length)
     metrics["prompt_length/clip_ratio"] = (prompt_length == prompt_limit).double().mean().item()
+    for key in reward_component_keys:
+        values = torch.tensor([float(extra[key]) for extra in batch.reward_extra], dtype=torch.float64)
+        metrics |= {**_stats(f"gdpo/{key}", values), f"gdpo/{key}/std": values.std(unbiased=False).item()}
     return metrics
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from grpo_npu import config as C
-from grpo_npu.algo.advantages import compute_advantage, estimator_inputs
+from grpo_npu.algo.advantages import batch_advantages, estimator_inputs
 from grpo_npu.algo.dapo import filter_groups, filter_metric_values
 from grpo_npu.algo.kl import apply_kl_in_reward, make_kl_controller
 from grpo_npu.algo.rollout_corr import correct_batch
@@ -142,7 +142,7 @@ class Trainer:
                 step = self.global_step + 1
                 timer = Timer()
                 self.workers.group.deadline = watchdog.start_step(step, timer)
-                with timer("step"):
+                with timer("step"), self.workers.profiling(step):  # global_profiler: traces of the listed steps
                     self.limits.probe(timer)  # a CPU's bandwidth, measured again just before generating
                     batch, metrics = self.rollouts(step, timer)  # rollout_and_reward (+ dump), or a replayed dump
                     rows = (batch.prompt_lengths.tolist(), batch.response_lengths.tolist())  # generation order
@@ -299,10 +299,7 @@ class Trainer:
                 metrics.update({k: float(v) for k, v in kl_metrics.items()})
                 self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=len(batch))
             batch = correct_batch(batch, alg.rollout_correction, metrics)  # rollout IS weights / rejection (verl's order)
-            adv, ret = compute_advantage(  # on the tokens rejection kept, as verl's modified response_mask
-                alg.adv_estimator, token_level_rewards=rewards, response_mask=batch.loss_tokens(),
-                group_ids=batch.uid, values=batch.values, reward_baselines=batch.reward_baselines, gamma=alg.gamma, lam=alg.lam,
-                norm_by_std=alg.norm_adv_by_std_in_grpo)
+            adv, ret = batch_advantages(batch, rewards, alg)
         return batch.replace(token_level_rewards=rewards, advantages=adv, returns=ret), metrics
 
     def update(self, batch: RolloutBatch, step: int, timer: Timer) -> dict[str, float]:
@@ -403,7 +400,8 @@ class Trainer:
         seconds, num_tokens = dict(timer.seconds), batch.num_tokens()
         metrics = compute_data_metrics(batch, use_critic=self.derived.use_critic,
                                        max_response_length=self.derived.response_length,
-                                       max_prompt_length=self.derived.prompt_length)
+                                       max_prompt_length=self.derived.prompt_length,
+                                       reward_component_keys=self.cfg.algorithm.gdpo_reward_keys or ())
         metrics.update(compute_timing_metrics(seconds, num_tokens, num_response_tokens=int(batch.response_mask.sum())))
         metrics.update(compute_throughput_metrics(num_tokens, seconds["step"], self.world_size))
         metrics.update(reduce_metrics(self.workers.memory_metrics()))

@@ -21,11 +21,8 @@ DUMMIES = {"{TINY_MODEL}": "/tmp/t/model", "{TRAIN_PARQUET}": "/tmp/t/train.parq
            "{VAL_PARQUET}": "/tmp/t/val.parquet", "{RUN_DIR}": "/tmp/t/run", "{VERL_ROOT}": "/tmp/t/verl"}
 # fsdp, text-only corpus lines (no guessed feature) that use something grpo_npu does not have: the first key refused
 NOT_IMPLEMENTED = {
-    "+algorithm.gdpo_reward_keys": "GDPO",
-    "+actor_rollout_ref.actor.policy_loss.tau_pos": "SAPO",
     "actor_rollout_ref.actor.calculate_sum_pi_squared": "the optimal token baseline",
-    "actor_rollout_ref.actor.use_prefix_grouper": "prefix grouper",
-    "actor_rollout_ref.actor.profiler.enable": "verl's profilers",
+    "global_profiler.tool": "nsys, torch_memory",
     "hydra.searchpath": "Megatron-lite through a Hydra search path",
     "actor_rollout_ref.model.use_shm": "model loading through shared memory",
     "+actor_rollout_ref.actor.fsdp_config.model_dtype": "a + on a key verl 0.9.1 declares (Hydra refuses it too)",

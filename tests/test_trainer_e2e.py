@@ -139,6 +139,27 @@ def test_dapo_with_hf_rollout(tiny_model_path, task, score_file, tmp_path):
     assert_trained(tiny_model_path, run_dir, steps=2)
 
 
+def test_gdpo_normalises_the_reward_functions_components(tiny_model_path, task, tmp_path):
+    """verl's GDPO keys: a reward function returning a dict of components, each normalised within its group."""
+    scorer = tmp_path / "two_rewards.py"
+    scorer.write_text(textwrap.dedent("""
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            fmt, acc = float(len(solution_str) % 2), float(len(solution_str) % 3 == 0)
+            return {"score": fmt + acc, "format_reward": fmt, "accuracy_reward": acc}
+    """))
+    run_dir = tmp_path / "gdpo"
+    last = run(overrides(
+        tiny_model_path, task, run_dir, "actor_rollout_ref.rollout.name=hf", "algorithm.adv_estimator=gdpo",
+        "+algorithm.gdpo_reward_keys=['accuracy_reward', 'format_reward']", "reward.reward_manager.name=gdpo",
+        f"custom_reward_function.path={scorer}", "custom_reward_function.name=compute_score",
+        "actor_rollout_ref.actor.checkpoint.save_contents=['model','optimizer','extra','hf_model']",
+    ))
+    for key in ("gdpo/accuracy_reward/mean", "gdpo/format_reward/std", "actor/pg_loss"):
+        assert key in last, key
+    assert abs(last["critic/advantages/mean"]) < 1e-5  # whitened over the batch's tokens
+    assert_trained(tiny_model_path, run_dir, steps=2)
+
+
 def test_remax_scores_each_prompts_greedy_response_as_its_baseline(tiny_model_path, task, score_file, tmp_path):
     """ReMax: the dump holds one baseline per row, shared by the rows of a prompt, a score the reward gives;
     replaying that dump into a GRPO run works, and a GRPO dump is refused for ReMax (no baselines)."""
@@ -165,16 +186,24 @@ def test_remax_scores_each_prompts_greedy_response_as_its_baseline(tiny_model_pa
 
 
 def test_ppo_with_critic_and_hf_rollout(tiny_model_path, task, tmp_path):
-    run_dir = tmp_path / "ppo"
+    """Also verl's profiler keys: step 2 traced per call of the actor (and so the rollout) and the critic."""
+    run_dir, traces = tmp_path / "ppo", tmp_path / "traces"
     last = run(overrides(
         tiny_model_path, task, run_dir,
         "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.name=hf", "critic.optim.lr=1e-3",
         "critic.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.checkpoint.save_contents=['model','optimizer','extra','hf_model']",
+        "global_profiler.tool=torch", "global_profiler.steps=[2]", f"global_profiler.save_path={traces}",
+        "actor_rollout_ref.actor.profiler.enable=True", "actor_rollout_ref.actor.profiler.all_ranks=True",
+        "actor_rollout_ref.actor.profiler.tool_config.torch.discrete=True",
+        "critic.profiler.enable=True", "critic.profiler.ranks=[0]", "critic.profiler.tool_config.torch.discrete=True",
     ))
     for key in ("critic/vf_loss", "critic/values/mean", "critic/returns/mean", "actor/pg_loss"):
         assert key in last, key
     assert_trained(tiny_model_path, run_dir, steps=2)
+    calls = ("rollout_generate", "critic_compute_values", "critic_update_critic", "actor_update_actor")
+    assert {p.name for p in traces.iterdir()} >= {f"{call}_step2_rank0.json.gz" for call in calls}
+    assert not [p for p in traces.iterdir() if "step1" in p.name]
 
 
 @pytest.mark.parametrize("lora", [(), ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=32",

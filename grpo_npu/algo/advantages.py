@@ -39,8 +39,9 @@ from grpo_npu.algo.registry import Registry
 GRPO_EPS = 1e-6
 
 # The optional inputs compute_advantage can hand to an estimator.
-OPTIONAL_INPUTS = ("group_ids", "values", "reward_baselines", "gamma", "lam", "norm_by_std", "eps")
-_REQUIRED_WHEN_USED = ("group_ids", "values", "reward_baselines")
+OPTIONAL_INPUTS = ("group_ids", "values", "reward_baselines", "reward_components", "component_weights", "gamma", "lam",
+                   "norm_by_std", "eps")
+_REQUIRED_WHEN_USED = ("group_ids", "values", "reward_baselines", "reward_components")
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ def compute_advantage(
     group_ids=None,
     values: torch.Tensor | None = None,
     reward_baselines: torch.Tensor | None = None,
+    reward_components: torch.Tensor | None = None,
+    component_weights: tuple[float, ...] | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_by_std: bool = True,
@@ -93,7 +96,8 @@ def compute_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run estimator ``name`` with the inputs it uses out of one common keyword set."""
     estimator = ADVANTAGE_ESTIMATORS.get(name)
-    given = {"group_ids": group_ids, "values": values, "reward_baselines": reward_baselines, "gamma": gamma,
+    given = {"group_ids": group_ids, "values": values, "reward_baselines": reward_baselines,
+             "reward_components": reward_components, "component_weights": component_weights, "gamma": gamma,
              "lam": lam, "norm_by_std": norm_by_std, "eps": eps}
     for key in _REQUIRED_WHEN_USED:
         if key in estimator.uses and given[key] is None:
@@ -135,10 +139,12 @@ class _GroupScores(NamedTuple):
     count: torch.Tensor
 
 
-def _group_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids) -> _GroupScores:
-    """Sequence scores s_i and their group's (mean, std, size) gathered to (B,); mean 0 for groups of one."""
+def _group_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids,
+                  scores: torch.Tensor | None = None) -> _GroupScores:
+    """Sequence scores s_i (the rewards' sums, or ``scores`` (B,) as given) and their group's (mean, std, size)
+    gathered to (B,); mean 0 for groups of one."""
     valid = _valid_mask(token_level_rewards, response_mask)
-    scores = _sequence_scores(token_level_rewards, valid)  # (B,)
+    scores = _sequence_scores(token_level_rewards, valid) if scores is None else scores  # (B,)
     index, num_groups = group_index(group_ids, scores.shape[0], device=scores.device)
     stats = group_stats(scores, index, num_groups)
     count = stats.count[index]
@@ -166,6 +172,64 @@ def grpo_advantage(
         centred = centred / (std + eps)
     advantages = _broadcast(centred, valid)
     return advantages, advantages
+
+
+@register_advantage("gdpo", uses=("group_ids", "norm_by_std", "eps", "reward_components", "component_weights"))
+def gdpo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids,
+    reward_components: torch.Tensor,
+    *,
+    component_weights: tuple[float, ...] | None = None,
+    eps: float = GRPO_EPS,
+    norm_by_std: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO: each reward component k (``reward_components`` (K, B), a row's score on each of
+    algorithm.gdpo_reward_keys) normalised within its group as GRPO does, A_k = (r_k - group mean) / (group std +
+    eps); their weighted sum (``component_weights``, default 1 each) broadcast over the response and whitened over
+    the batch's valid tokens. The token-level rewards themselves are not read; a row without tokens scores 0."""
+    valid = _valid_mask(token_level_rewards, response_mask)
+    if reward_components.dim() != 2 or reward_components.shape[1] != valid.shape[0]:
+        raise ValueError(f"reward_components: expected (K, {valid.shape[0]}), got {tuple(reward_components.shape)}")
+    weights = component_weights if component_weights is not None else (1.0,) * reward_components.shape[0]
+    if len(weights) != reward_components.shape[0]:
+        raise ValueError(f"{len(weights)} component weights for {reward_components.shape[0]} reward components")
+    has_tokens = valid.any(-1)
+    total = torch.zeros(valid.shape[0], dtype=acc_dtype(token_level_rewards), device=valid.device)
+    for weight, component in zip(weights, reward_components):
+        scores = torch.where(has_tokens, component.to(total.dtype), torch.zeros_like(total))
+        _, _, mean, std, count = _group_scores(token_level_rewards, response_mask, group_ids, scores)
+        centred = scores - mean
+        if norm_by_std:
+            centred = centred / (torch.where(count > 1, std, torch.ones_like(std)) + eps)
+        total = total + weight * centred
+    advantages = masked_whiten(_broadcast(total, valid), valid)
+    return advantages, advantages
+
+
+def batch_advantages(batch, rewards: torch.Tensor, alg) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_advantage` of ``alg.adv_estimator`` (the config's ``algorithm`` section) on a RolloutBatch, with
+    ``rewards`` (B, T) as its token-level rewards, over the tokens its losses count (``batch.loss_tokens()``: rollout
+    rejection sampling's mask, as verl modifies its response_mask)."""
+    return compute_advantage(
+        alg.adv_estimator, token_level_rewards=rewards, response_mask=batch.loss_tokens(), group_ids=batch.uid,
+        values=batch.values, reward_baselines=batch.reward_baselines,
+        reward_components=gdpo_components(batch.reward_extra, alg.gdpo_reward_keys),
+        component_weights=alg.gdpo_reward_weights, gamma=alg.gamma, lam=alg.lam, norm_by_std=alg.norm_adv_by_std_in_grpo)
+
+
+def gdpo_components(reward_extra: list[dict], keys) -> torch.Tensor | None:
+    """(K, B) float32: each row's score on each of ``keys`` (algorithm.gdpo_reward_keys) from the reward function's
+    results (``RolloutBatch.reward_extra``); None without keys. A key a row lacks is an error naming it."""
+    if not keys:
+        return None
+    for row, extra in enumerate(reward_extra):
+        missing = [k for k in keys if k not in extra]
+        if missing:
+            raise ValueError(f"algorithm.gdpo_reward_keys: row {row}'s reward result has no {', '.join(missing)} "
+                             f"(it has: {', '.join(sorted(extra))}); the reward function must return a dict with them")
+    return torch.tensor([[float(extra[k]) for extra in reward_extra] for k in keys], dtype=torch.float32)
 
 
 @register_advantage("rloo", uses=("group_ids",))

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional
 
 from grpo_npu.algo.names import AGG_MODES, KL_TYPES, POLICY_LOSS_MODES
 from grpo_npu.config.fields import choice, free_dict, many
+from grpo_npu.config.profiler import RolloutProfilerConfig, RoleProfilerConfig
 from grpo_npu.rollout.names import LOAD_FORMATS, ROLLOUT_NAMES
 from grpo_npu.workers.names import DTYPE_NAMES, OPTIM_IMPLS, STRATEGIES, WARMUP_STYLES
 
@@ -207,6 +208,8 @@ class ActorConfig:
     """FSDP2 settings."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint contents."""
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
+    """Profiling of the actor's log-prob passes and updates (global_profiler picks the tool and steps)."""
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,8 @@ class RefConfig:
     """Token budget per packed micro-batch (None: actor.ppo_max_token_len_per_gpu)."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 settings of the frozen reference policy (with LoRA there is none: the reference is the actor's module)."""
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
+    """Profiling of the reference pass (global_profiler picks the tool and steps)."""
     ulysses_sequence_parallel_size: Optional[int] = None
     """Ulysses sequence parallelism of the reference pass (None: actor.ulysses_sequence_parallel_size)."""
 
@@ -333,6 +338,8 @@ class RolloutConfig:
     """The weight-sync canary (docs/sync_check.md)."""
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
     """verl's weight-transfer settings (only the bucket size is verl's naive engine's, and runs the same here)."""
+    profiler: RolloutProfilerConfig = field(default_factory=RolloutProfilerConfig)
+    """Profiling of generation (global_profiler picks the tool and steps)."""
 
 
 @dataclass(frozen=True)

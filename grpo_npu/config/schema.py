@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 from grpo_npu.algo.names import ADV_ESTIMATORS, KL_CTRL_TYPES, KL_TYPES
 from grpo_npu.config.actor_rollout_ref import ActorRolloutRefConfig, FSDPConfig, OptimConfig
 from grpo_npu.config.fields import choice, free_dict, many
+from grpo_npu.config.profiler import GlobalProfilerConfig, RoleProfilerConfig
 from grpo_npu.data.names import TRUNCATION_MODES
 from grpo_npu.names import DEVICE_CHOICES, EXISTING_RUN_POLICIES, LOGGERS, RESUME_MODES
 from grpo_npu.reward.names import REWARD_MANAGER_NAMES, SANDBOX_DEFAULTS
@@ -126,6 +127,8 @@ class CriticConfig:
     """Value-loss aggregation (None: actor.loss_agg_mode)."""
     ulysses_sequence_parallel_size: int = 1
     """Ulysses sequence parallelism of the critic (1: off; needs critic.model.use_remove_padding)."""
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
+    """Profiling of the critic's value passes and updates (global_profiler picks the tool and steps)."""
 
 
 @dataclass(frozen=True)
@@ -219,9 +222,13 @@ class AlgorithmConfig:
     lam: float = 1.0
     """GAE lambda."""
     adv_estimator: str = choice("gae", ADV_ESTIMATORS)
-    """Advantage estimator: gae (PPO) | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gpg | remax."""
+    """Advantage estimator: gae (PPO) | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gpg | remax | gdpo."""
     norm_adv_by_std_in_grpo: bool = True
-    """GRPO: divide by the group std (False: Dr.GRPO)."""
+    """GRPO (and GDPO's per-component step): divide by the group std (False: Dr.GRPO)."""
+    gdpo_reward_keys: Optional[List[str]] = None
+    """GDPO: keys of the reward function's result dict, one reward component each (e.g. [accuracy_reward, format_reward])."""
+    gdpo_reward_weights: Optional[List[float]] = None
+    """GDPO: each component's weight in the sum (None: 1 each)."""
     use_kl_in_reward: bool = False
     """Subtract beta x KL from token rewards."""
     kl_penalty: str = choice("kl", KL_TYPES)
@@ -326,5 +333,7 @@ class Config:
     """Advantage estimator, KL and DAPO settings."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop, logging, checkpoints and devices."""
+    global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
+    """Which profiler, on which steps, where its traces go (each role's profiler.* says whether and where it runs)."""
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
     """Ray start-up."""

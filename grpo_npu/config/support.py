@@ -46,7 +46,8 @@ MTP = "multi-token prediction"
 MULTI_TURN = "multi-turn, tool-calling and agent-loop rollouts"
 DISTILLATION = "distillation"
 REWARD_MODEL = "model-based rewards (a reward model or reward loop)"
-PROFILER = "verl's profilers"
+PROFILER = ("a profiler setting grpo_npu does not have (it has global_profiler.tool / steps / save_path and each "
+            "role's profiler.enable / ranks / all_ranks / tool_config.torch|npu)")
 TRANSFER_QUEUE = "TransferQueue"
 ROLLOUT_SKIP = "rollout dumping and skipping"
 ASYNC_TRAINER = "verl's asynchronous trainer modes"
@@ -163,6 +164,11 @@ RULES: tuple[Rule, ...] = tuple([
     *_refuse(REWARD_MODEL, "reward.reward_model.*", "reward_model.model.*", "reward_model.rollout.*",
              "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes",
              "reward_model.reward_loop_*", "reward.reward_manager.*"),
+    *_refuse("nsys (the workers would have to start under Nsight Systems), torch_memory and precision_debugger",
+             "global_profiler.tool", accepted=(None, "torch", "npu")),
+    Rule("*profiler.relocate_results", SAME, "verl moves the traces a framework writes elsewhere (its vLLM server's "
+         "profiler) into save_path; grpo_npu's engine runs in the worker's process and every trace is written into "
+         "save_path", accepted=(False, True)),
     *_refuse(PROFILER, "*profiler.*"),
     *_refuse(TRANSFER_QUEUE, "transfer_queue.*"),
     *_refuse(ROLLOUT_SKIP, "skip.*"),

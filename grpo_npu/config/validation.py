@@ -182,6 +182,7 @@ def validate(cfg: Config) -> None:
             "actor_rollout_ref.model.lora.merge=True needs LoRA (model.lora_rank > 0) and rollout.name=vllm: it "
             "chooses how a LoRA actor's weights reach the vLLM engine (the hf rollout generates with the actor itself)")
     require(alg.kl_penalty not in ("full",), "algorithm.kl_penalty=full is not defined for token log-probs")
+    _check_gdpo(alg)
 
     # DAPO
     fg = alg.filter_groups
@@ -238,6 +239,20 @@ def _check_sequence_parallel(cfg: Config) -> None:
                 f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref.ulysses_sequence_parallel_size}: with LoRA "
                 "the reference is the actor's module with its adapters off, so it runs with the actor's "
                 f"ulysses_sequence_parallel_size={actor.ulysses_sequence_parallel_size}")
+
+
+def _check_gdpo(alg: Any) -> None:
+    """GDPO's reward components: named when it is the estimator, and read by no other."""
+    keys, weights = alg.gdpo_reward_keys, alg.gdpo_reward_weights
+    if alg.adv_estimator != "gdpo":
+        require(keys is None and weights is None,
+                f"algorithm.gdpo_reward_keys / gdpo_reward_weights are read by algorithm.adv_estimator=gdpo only, not "
+                f"{alg.adv_estimator}; remove them or choose gdpo")
+        return
+    require(bool(keys), "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the keys of the reward "
+                        "function's result dict to normalise one by one (e.g. ['accuracy_reward', 'format_reward'])")
+    require(weights is None or len(weights) == len(keys),
+            f"algorithm.gdpo_reward_weights has {len(weights or ())} weights for {len(keys)} gdpo_reward_keys")
 
 
 def _check_rollout_correction(cfg: Config) -> None:

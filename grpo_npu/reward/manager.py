@@ -8,6 +8,7 @@ with no token carries none (its score is still reported).
 
 - ``naive``: reward = score.
 - ``dapo``: reward = score + overlong penalty (``reward_model.overlong_buffer``, docs/algorithms.md).
+- ``gdpo``: naive's, under verl's name for GDPO runs (GDPO's estimator reads the result dict's components).
 
 Per-row info (``RewardOutput.extra``, one dict per row): ``score`` (the scorer's), ``acc`` (the
 scorer's, else the score, as verl's DAPO manager does), ``pred`` (the extracted answer, or None),
@@ -170,20 +171,27 @@ class DAPORewardManager(NaiveRewardManager):
                 "reward/overlong/mean": sum(bool(e["overlong"]) for e in extra) / len(extra)}
 
 
-REWARD_MANAGERS = {cls.name: cls for cls in (NaiveRewardManager, DAPORewardManager)}
+class GDPORewardManager(NaiveRewardManager):
+    """verl's gdpo manager: naive's scores, with every key of a dict result kept per row (naive keeps them too);
+    GDPO's estimator reads the keys algorithm.gdpo_reward_keys names from them."""
+
+    name = "gdpo"
+
+
+REWARD_MANAGERS = {cls.name: cls for cls in (NaiveRewardManager, DAPORewardManager, GDPORewardManager)}
 
 
 def get_reward_manager(name: str, *, tokenizer, compute_score: Callable | None = None,
                        overlong: OverlongShaping | None = None, **options) -> NaiveRewardManager:
-    """The reward manager ``name`` (reward_model.reward_manager): naive | dapo.
+    """The reward manager ``name`` (reward_model.reward_manager): naive | dapo | gdpo.
 
     ``options``: ``num_workers`` and ``sandbox`` (timeout, fallback score, failure limit and worker memory
     limit; None: the defaults), as :class:`NaiveRewardManager` takes them.
     """
     if name not in REWARD_MANAGERS:
         raise ValueError(f"reward_model.reward_manager={name!r}; known: {sorted(REWARD_MANAGERS)}")
-    if name == "naive":
+    if name in ("naive", "gdpo"):
         if overlong is not None:
             raise ValueError("reward_model.overlong_buffer.enable=True needs reward_model.reward_manager=dapo")
-        return NaiveRewardManager(tokenizer, compute_score, **options)
+        return REWARD_MANAGERS[name](tokenizer, compute_score, **options)
     return DAPORewardManager(tokenizer, compute_score, overlong=overlong, **options)

@@ -28,6 +28,7 @@ from grpo_npu.config import Config, derive
 from grpo_npu.determinism import make_deterministic
 from grpo_npu.device import get_device
 from grpo_npu.errors import UserError
+from grpo_npu.perf.profiler import StepProfiler, profiled
 from grpo_npu.rollout import MemoryLedger, build_rollout, engine_decode_rows, run_rollout_step
 from grpo_npu.rollout.sync_check import SyncCheck, default_threshold
 from grpo_npu.workers import fsdp, load_errors, lora
@@ -78,6 +79,7 @@ class HybridWorker:
         self.ledger: Any = None
         self.sync_check: SyncCheck | None = None
         self.lora: lora.LoraSettings | None = None
+        self.profiler = StepProfiler(cfg, self.rank, self.dev.kind)
 
     # -- building ---------------------------------------------------------------------------------
     def init_model(self, total_steps: int = -1) -> dict[str, bool]:
@@ -219,6 +221,7 @@ class HybridWorker:
         """The weight stream a sync sends (:meth:`engine_weights`; the canary re-reads it when bisecting)."""
         return self.engine_weights(whole)
 
+    @profiled("rollout")
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling, step: int = 0,
                  baseline=None) -> Any:
         """Wake the engine, stream the actor's weights in, [check the sync], generate this rank's prompts x n
@@ -246,11 +249,20 @@ class HybridWorker:
             fsdp.reshard_all(actor.module)
         return out
 
+    # -- profiling (global_profiler; the trainer opens and closes each listed step) ------------------
+    def profile_begin(self, step: int) -> None:
+        self.profiler.begin_step(step)
+
+    def profile_end(self) -> None:
+        self.profiler.end_step()
+
     # -- log-probs and values -----------------------------------------------------------------------
+    @profiled("actor")
     def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """Old-policy log-probs (B, T) of this rank's rows and the ``actor/entropy`` metric."""
         return self._need("actor").compute_log_prob(batch)
 
+    @profiled("ref")
     def compute_ref_log_prob(self, batch: RolloutBatch) -> torch.Tensor:
         """Reference-policy log-probs (B, T) of this rank's rows."""
         d = self.derived
@@ -259,15 +271,18 @@ class HybridWorker:
             max_tokens=d.ref_log_prob_max_token_len if d.ref_log_prob_use_dynamic_bsz else None, with_entropy=False,
         )[0]
 
+    @profiled("critic")
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """Critic values (B, T) of this rank's rows."""
         return self._need("critic").compute_values(batch)
 
     # -- updates ------------------------------------------------------------------------------------
+    @profiled("actor")
     def update_actor(self, batch: RolloutBatch) -> dict[str, float]:
         """One PPO/GRPO update of the actor on this rank's rows (needs old_logp, advantages[, ref_logp])."""
         return self._need("actor").update(batch)
 
+    @profiled("critic")
     def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
         """One value update on this rank's rows (needs values, returns)."""
         return self._need("critic").update(batch)

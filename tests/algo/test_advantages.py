@@ -233,6 +233,50 @@ def test_gpg_scales_by_the_inverse_fraction_of_nonzero_scores():
     assert advantages[:, 0].tolist() == [2.0, -2.0, 0.0, 0.0]
 
 
+def ref_gdpo(components, mask, keys, weights, norm_by_std):
+    """Each component as a one-token outcome reward through the GRPO reference, weighted, summed, whitened."""
+    total = torch.zeros(mask.shape, dtype=torch.float64)
+    for weight, component in zip(weights, components):
+        outcome = torch.zeros(mask.shape, dtype=torch.float64)
+        for i in range(mask.shape[0]):
+            valid = _valid_tokens(mask, i)
+            if valid:
+                outcome[i, valid[-1]] = float(component[i])
+        total += weight * ref_grpo(outcome, mask, keys, norm_by_std=norm_by_std)
+    return _whiten(total, mask)
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_gdpo_matches_reference(batch_kit, shape, seed, norm_by_std):
+    _, mask, ids, keys = _setup(batch_kit, shape, seed, torch.float32, "outcome", KINDS[seed % 4])
+    gen = torch.Generator().manual_seed(seed + 7)
+    components = torch.randint(0, 3, (1 + seed, shape[0]), generator=gen).float()  # 1-3 components of 0/1/2
+    weights = [0.5, 2.0, 1.0][: 1 + seed] if seed else None
+    advantages, returns = adv.compute_advantage("gdpo", token_level_rewards=torch.zeros(shape), response_mask=mask,
+                                                group_ids=ids, reward_components=components, component_weights=weights,
+                                                norm_by_std=norm_by_std)
+    expected = ref_gdpo(components, mask, keys, weights or [1.0] * len(components), norm_by_std)
+    torch.testing.assert_close(advantages.double(), expected, **TOL)
+    torch.testing.assert_close(returns, advantages)
+
+
+def test_gdpo_normalises_each_component_before_the_sum():
+    """One group of two, component a = (1, 0) with weight 2, component b = (0, 100) with weight 1: GRPO on the
+    weighted sum (2, 100) lets b's scale decide (row 1 ahead); GDPO normalises each first, and a's weight wins."""
+    mask = torch.ones(2, 1)
+    components = torch.tensor([[1.0, 0.0], [0.0, 100.0]])
+    advantages, _ = adv.compute_advantage("gdpo", token_level_rewards=torch.zeros(2, 1), response_mask=mask,
+                                          group_ids=["g", "g"], reward_components=components, component_weights=(2.0, 1.0))
+    assert advantages[0, 0] > 0 > advantages[1, 0]
+    summed, _ = adv.grpo_advantage((2 * components[0] + components[1])[:, None], mask, ["g", "g"])
+    assert summed[1, 0] > 0 > summed[0, 0]
+    with pytest.raises(ValueError, match=r"gdpo_reward_keys: row 1's reward result has no fmt \(it has: acc, score\)"):
+        adv.gdpo_components([{"fmt": 1.0}, {"score": 1.0, "acc": 1.0}], ["fmt"])
+    assert adv.gdpo_components([{"fmt": 1, "acc": 0.5}], ["acc", "fmt"]).tolist() == [[0.5], [1.0]]
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -322,7 +366,7 @@ def test_missing_inputs_and_unknown_names_are_clear_errors():
         adv.compute_advantage("grpo", token_level_rewards=rewards, response_mask=mask)
     with pytest.raises(ValueError, match="gae needs values"):
         adv.compute_advantage("gae", token_level_rewards=rewards, response_mask=mask)
-    with pytest.raises(ValueError, match="algorithm.adv_estimator.*'grpo_typo'.*known: gae, gpg, grpo, reinforce_plus_plus"):
+    with pytest.raises(ValueError, match="algorithm.adv_estimator.*'grpo_typo'.*known: gae, gdpo, gpg, grpo, reinforce_plus_plus"):
         adv.get_advantage_fn("grpo_typo")
     with pytest.raises(ValueError, match="one key per response"):
         adv.grpo_advantage(rewards, mask, ["a"])

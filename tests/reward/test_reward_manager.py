@@ -137,7 +137,7 @@ def test_dapo_without_buffer_equals_naive(tiny_tokenizer):
 
 
 def test_manager_errors(tiny_tokenizer):
-    with pytest.raises(ValueError, match=r"reward_manager='prime'; known: \['dapo', 'naive'\]"):
+    with pytest.raises(ValueError, match=r"reward_manager='prime'; known: \['dapo', 'gdpo', 'naive'\]"):
         get_reward_manager("prime", tokenizer=tiny_tokenizer)
     with pytest.raises(ValueError, match="overlong_buffer.enable=True needs reward_model.reward_manager=dapo"):
         get_reward_manager("naive", tokenizer=tiny_tokenizer, overlong=OverlongShaping(8, buffer_len=4))
