@@ -5,15 +5,14 @@ line."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-import pytest
 import torch
-import torch.multiprocessing as mp
 
 from grpo_npu.ops.attention import attention, cu_seqlens_from_lengths
 from grpo_npu.ops.sequence_parallel import heads_per_rank
+
+from ..spawn import run_ranks
 
 WORLD_SIZE = 4
 KV_HEADS = (4, 2, 1)  # for 8 query heads
@@ -58,14 +57,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 def test_ulysses_attention_equals_whole_sequence_attention(tmp_path):
     from grpo_npu.workers.fsdp import free_port
 
-    ctx = mp.start_processes(_rank_main, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the {WORLD_SIZE}-rank attention did not finish in {TIMEOUT_S} s")
+    run_ranks(_rank_main, (free_port(), str(tmp_path)), WORLD_SIZE, TIMEOUT_S, f"the {WORLD_SIZE}-rank attention")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD_SIZE)]
     for num_kv_heads in KV_HEADS:
         q, k, v, grad = _inputs(num_kv_heads)

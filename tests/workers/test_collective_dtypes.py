@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -20,9 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..spawn import run_ranks
 from .helpers import make_batch, make_cfg
 
 WORLD_SIZE = 2
@@ -140,14 +139,7 @@ def _rank_main(rank: int, model_path: str, port: int, out_dir: str) -> None:
 def _run_two_ranks(model_path: str, out_dir: Path) -> list[list]:
     from grpo_npu.workers.fsdp import free_port
 
-    ctx = mp.start_processes(_rank_main, args=(model_path, free_port(), str(out_dir)), nprocs=WORLD_SIZE,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the {WORLD_SIZE}-rank run did not finish in {TIMEOUT_S} s")
+    run_ranks(_rank_main, (model_path, free_port(), str(out_dir)), WORLD_SIZE, TIMEOUT_S, f"the {WORLD_SIZE}-rank run")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
 
 

@@ -9,13 +9,12 @@ weights. The actor update is run once with fixed micro-batches and once packed t
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from ..spawn import run_ranks
 from .helpers import full_weights, make_batch, make_cfg, make_worker, max_abs_diff, start_process_group
 
 pytestmark = pytest.mark.slow
@@ -66,14 +65,8 @@ def _rank_main(rank: int, model_path: str, port: int, out_dir: str, dynamic: boo
 def _two_ranks(model_path: str, out_dir: Path, dynamic: bool) -> list[dict]:
     from grpo_npu.workers.fsdp import free_port
 
-    ctx = mp.start_processes(_rank_main, args=(model_path, free_port(), str(out_dir), dynamic), nprocs=WORLD_SIZE,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the {WORLD_SIZE}-rank sequence-parallel run did not finish in {TIMEOUT_S} s")
+    run_ranks(_rank_main, (model_path, free_port(), str(out_dir), dynamic), WORLD_SIZE, TIMEOUT_S,
+              f"the {WORLD_SIZE}-rank sequence-parallel run")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
 
 
