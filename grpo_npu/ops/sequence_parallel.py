@@ -14,8 +14,9 @@ N heads, D head dim.
   fewer kv heads than ranks) are repeated first, each kv head next to itself, so head chunk j of the queries meets
   the kv head its query heads read.
 
-Both all-to-alls are ``torch.distributed.nn.functional.all_to_all_single``, whose backward is the reverse
-all-to-all: gradients reach the ranks that own the tokens. The plain single-rank attention is the reference
+Both all-to-alls are ``torch.distributed.all_to_all_single`` in an autograd function (:class:`AllToAll`) whose
+backward is the same all-to-all of the gradients: they reach the ranks that own the tokens. :class:`SumOverGroup`
+is the sum all-reduce whose backward sums the gradients the same way (the workers' gather of predictions). The plain single-rank attention is the reference
 (``tests/ops/test_sequence_parallel.py`` compares the two, forward and backward, on gloo).
 """
 
@@ -25,7 +26,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all_single
 
 
 def heads_per_rank(num_heads: int, num_kv_heads: int, sp: int) -> str | None:
@@ -38,12 +38,48 @@ def heads_per_rank(num_heads: int, num_kv_heads: int, sp: int) -> str | None:
     return None
 
 
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with equal splits over dim 0 (chunk j of every rank goes to rank j); its own backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)  # contiguous too: the collective writes its chunks as flat memory
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()  # a gradient may arrive strided; empty_like would copy its strides
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)  # chunk i of rank j's gradient back to rank i
+        return out, None
+
+
+class SumOverGroup(torch.autograd.Function):
+    """The sum of ``x`` over the ranks of ``group`` on each of them; the backward sums the ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
 def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """(s, N, D) this rank's tokens, all heads -> (S, N / sp, D) every token, this rank's heads. Collective."""
     sp = dist.get_world_size(group)
     s, n, d = x.shape
     send = x.reshape(s, sp, n // sp, d).transpose(0, 1).contiguous()  # (sp, s, N/sp, D): chunk j goes to rank j
-    return all_to_all_single(torch.empty_like(send), send, group=group).reshape(sp * s, n // sp, d)
+    return AllToAll.apply(send, group).reshape(sp * s, n // sp, d)
 
 
 def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -51,7 +87,7 @@ def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     sp = dist.get_world_size(group)
     total, h, d = x.shape
     send = x.reshape(sp, total // sp, h, d).contiguous()  # token chunk j goes back to rank j
-    received = all_to_all_single(torch.empty_like(send), send, group=group)  # (sp, s, N/sp, D): rank i's heads
+    received = AllToAll.apply(send, group)  # (sp, s, N/sp, D): rank i's heads
     return received.transpose(0, 1).reshape(total // sp, sp * h, d)
 
 

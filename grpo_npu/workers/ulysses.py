@@ -23,9 +23,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_reduce
 
-from grpo_npu.ops.sequence_parallel import heads_per_rank
+from grpo_npu.ops.sequence_parallel import SumOverGroup, heads_per_rank
 from grpo_npu.workers.model_inputs import ModelInputs
 
 _groups: dict[int, dist.ProcessGroup | None] = {}
@@ -93,7 +92,7 @@ def gather_predictions(values: torch.Tensor, where: torch.Tensor, total: int,
     """(n, ...) outputs at this rank's predictions -> (total, ...) of the whole micro-batch, on every rank of the
     group (differentiable; see the module docstring for the gradient's scale). Collective."""
     full = values.new_zeros((total, *values.shape[1:])).index_put((where,), values)
-    return all_reduce(full, group=group)
+    return SumOverGroup.apply(full, group)
 
 
 def predictions(inputs: ModelInputs, group: dist.ProcessGroup | None
