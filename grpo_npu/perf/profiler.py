@@ -121,18 +121,18 @@ class StepProfiler:
 
     def _start(self, name: str, contents: list[str], settings: Any) -> Any:
         os.makedirs(self.save_path, exist_ok=True)
-        prof = torch_profiler(name, contents, self.save_path) if self.tool == "torch" else npu_profiler(
+        prof = torch_profiler(name, contents, self.save_path, self.device_kind) if self.tool == "torch" else npu_profiler(
             name, contents, settings.level, settings.analysis, self.save_path)
         prof.start()
         log.info("profiler: tracing %s (%s) into %s", name, self.tool, self.save_path)
         return prof
 
 
-def torch_profiler(name: str, contents: list[str], save_path: str) -> torch.profiler.profile:
-    """A torch.profiler over CPU ops (always) and CUDA kernels (``cuda`` in contents, or contents empty, where CUDA
-    exists), writing ``<save_path>/<name>.json.gz`` when stopped."""
+def torch_profiler(name: str, contents: list[str], save_path: str, device_kind: str) -> torch.profiler.profile:
+    """A torch.profiler over CPU ops (always) and CUDA kernels (``cuda`` in contents, or contents empty, on a CUDA
+    run), writing ``<save_path>/<name>.json.gz`` when stopped."""
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if (not contents or "cuda" in contents) and torch.cuda.is_available():
+    if (not contents or "cuda" in contents) and device_kind == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
 
     def write(prof: torch.profiler.profile) -> None:

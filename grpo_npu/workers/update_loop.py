@@ -217,8 +217,8 @@ def offloaded_activations(on: bool, dev: Device):
     (``torch.autograd.graph.save_on_cpu``). Under gradient checkpointing those are each layer's inputs and the last
     layer's and the loss's tensors; the recomputed layers keep theirs on the device for their own backward only.
     The device then holds one layer's activations at a time instead of one per layer, for the price of a copy out
-    and back of each saved tensor (into pinned host memory on an accelerator: ``device_type`` names the torch
-    module, torch.npu or torch.cuda, whose pinning the copies use). Gradients are unchanged."""
+    and back of each saved tensor (into pinned host memory on an accelerator: ``device_type``, the device kind, picks
+    the torch device module whose pinning the copies use). Gradients are unchanged."""
     if not on:
         return contextlib.nullcontext()
     return torch.autograd.graph.save_on_cpu(pin_memory=dev.is_accelerator, device_type=dev.kind)
