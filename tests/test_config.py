@@ -552,5 +552,7 @@ def test_ulysses_sequence_parallelism_keys_and_their_limits():
                                           r"reference is the actor's module"):
         load_config(base + [f"{sp}=2", "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1",
                             "actor_rollout_ref.model.lora_rank=8"])
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model\.compile_layers=True compiles each decoder layer"):
+        load_config(base + [f"{sp}=2", "actor_rollout_ref.model.compile_layers=True"])
     with pytest.raises(ConfigError, match=rf"^{sp}=3 must be >= 1 and divide the 2 ranks"):
         load_config(base + [f"{sp}=3"])

@@ -234,6 +234,12 @@ def _check_sequence_parallel(cfg: Config) -> None:
                 "actor_rollout_ref.model.share_prompt_prefix=True packs each prompt once for all its responses, which "
                 "sequence parallelism (ulysses_sequence_parallel_size > 1) does not split; leave it null (auto: off "
                 "then) or set False")
+    if any(size > 1 for size in (actor.ulysses_sequence_parallel_size, ref.ulysses_sequence_parallel_size or 1,
+                                 cfg.critic.ulysses_sequence_parallel_size)):
+        require(not model.compile_layers,
+                "actor_rollout_ref.model.compile_layers=True compiles each decoder layer, whose attention holds "
+                "collectives under sequence parallelism (ulysses_sequence_parallel_size > 1): the two together are "
+                "untested; set one of them off")
     if model.lora_rank > 0 and ref.ulysses_sequence_parallel_size is not None:
         require(ref.ulysses_sequence_parallel_size == actor.ulysses_sequence_parallel_size,
                 f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref.ulysses_sequence_parallel_size}: with LoRA "
