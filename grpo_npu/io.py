@@ -132,3 +132,30 @@ class JsonlAppender:
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
+
+
+SHM_ROOT = "/dev/shm/grpo_npu-models"  # model.use_shm's copies, one per source directory and machine
+
+
+def shm_copy(path: str, root: str = SHM_ROOT) -> str:
+    """A copy of the model directory ``path`` in shared memory (``root``), made once per machine: the first process
+    copies into a temporary folder and renames it into place; a later one (or another rank) finds it there. The
+    name is a hash of the absolute source path."""
+    import hashlib
+
+    if not os.path.isdir(os.path.dirname(root)):
+        raise ValueError(f"actor_rollout_ref.model.use_shm=True: {os.path.dirname(root)} does not exist on this machine")
+    source = os.path.abspath(path)
+    dest = os.path.join(root, hashlib.sha1(source.encode()).hexdigest()[:16])
+    if os.path.isdir(dest):
+        return dest
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".copy-", dir=root)
+    try:
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
+        os.rename(tmp, dest)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isdir(dest):  # not another process's rename that got there first
+            raise
+    return dest

@@ -96,6 +96,10 @@ class ModelConfig:
     """Modules that get adapters: all-linear (every linear layer but the LM head) or a list of names (e.g. [q_proj,v_proj])."""
     exclude_modules: Optional[str] = None
     """Regex of module names to leave without adapters (PEFT exclude_modules)."""
+    lora_adapter_path: Optional[str] = None
+    """A PEFT adapter directory the actor's LoRA starts from (its adapter_config.json gives rank, alpha and modules)."""
+    use_shm: bool = False
+    """Copy the model directory into /dev/shm once per machine; the actor, reference, tokenizer and engine load from there."""
     lora: LoraBlockConfig = field(default_factory=LoraBlockConfig)
     """verl's LoRA block: only ``merge`` is acted on."""
     trust_remote_code: bool = False

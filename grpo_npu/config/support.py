@@ -150,7 +150,6 @@ RULES: tuple[Rule, ...] = tuple([
     Rule("actor_rollout_ref.rollout.layered_summon", SAME,
          "verl gathers the FSDP weights one layer at a time for a LoRA sync when it is on; grpo_npu's sync always "
          "gathers one tensor at a time, workers/fsdp.py::iter_full_state_dict", (False, True)),
-    *_refuse("starting from a saved LoRA adapter", "actor_rollout_ref.model.lora_adapter_path", accepted=(None,)),
     *_refuse("the Megatron engine's LoRA block (FSDP LoRA: actor_rollout_ref.model.lora_rank / lora_alpha / "
              "target_modules; of the block only lora.merge is grpo_npu's)", "actor_rollout_ref.model.lora.*"),
     *_refuse(LORA_CRITIC, "critic.model.lora_*", "critic.model.lora.*", "critic.model.target_modules",

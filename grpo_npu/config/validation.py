@@ -178,8 +178,10 @@ def validate(cfg: Config) -> None:
         require("all-linear" not in model.target_modules or len(model.target_modules) == 1,
                 f"actor_rollout_ref.model.target_modules={list(model.target_modules)}: all-linear stands alone "
                 "(or list module names)")
-    require(model.lora.merge is not True or (model.lora_rank > 0 and rollout.name == "vllm"),
-            "actor_rollout_ref.model.lora.merge=True needs LoRA (model.lora_rank > 0) and rollout.name=vllm: it "
+    lora_on = model.lora_rank > 0 or bool(model.lora_adapter_path)
+    require(model.lora.merge is not True or (lora_on and rollout.name == "vllm"),
+            "actor_rollout_ref.model.lora.merge=True needs LoRA (model.lora_rank > 0 or lora_adapter_path) and "
+            "rollout.name=vllm: it "
             "chooses how a LoRA actor's weights reach the vLLM engine (the hf rollout generates with the actor itself)")
     require(alg.kl_penalty not in ("full",), "algorithm.kl_penalty=full is not defined for token log-probs")
     _check_gdpo(alg)
@@ -240,7 +242,7 @@ def _check_sequence_parallel(cfg: Config) -> None:
                 "actor_rollout_ref.model.compile_layers=True compiles each decoder layer, whose attention holds "
                 "collectives under sequence parallelism (ulysses_sequence_parallel_size > 1): the two together are "
                 "untested; set one of them off")
-    if model.lora_rank > 0 and ref.ulysses_sequence_parallel_size is not None:
+    if (model.lora_rank > 0 or model.lora_adapter_path) and ref.ulysses_sequence_parallel_size is not None:
         require(ref.ulysses_sequence_parallel_size == actor.ulysses_sequence_parallel_size,
                 f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref.ulysses_sequence_parallel_size}: with LoRA "
                 "the reference is the actor's module with its adapters off, so it runs with the actor's "

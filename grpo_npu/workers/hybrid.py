@@ -28,6 +28,7 @@ from grpo_npu.config import Config, derive
 from grpo_npu.determinism import make_deterministic
 from grpo_npu.device import get_device
 from grpo_npu.errors import UserError
+from grpo_npu.io import shm_copy
 from grpo_npu.perf.profiler import StepProfiler, profiled
 from grpo_npu.rollout import MemoryLedger, build_rollout, engine_decode_rows, run_rollout_step
 from grpo_npu.rollout.sync_check import SyncCheck, default_threshold
@@ -79,6 +80,7 @@ class HybridWorker:
         self.ledger: Any = None
         self.sync_check: SyncCheck | None = None
         self.lora: lora.LoraSettings | None = None
+        self.model_path = cfg.actor_rollout_ref.model.path  # init_model: model.use_shm's copy, if asked
         self.profiler = StepProfiler(cfg, self.rank, self.dev.kind)
 
     # -- building ---------------------------------------------------------------------------------
@@ -88,6 +90,7 @@ class HybridWorker:
         model = arr.model
         if not model.path:
             raise ValueError("actor_rollout_ref.model.path is required")
+        self.model_path = shm_copy(model.path) if model.use_shm else model.path  # every load below reads this
         if model.external_lib:
             importlib.import_module(model.external_lib)
         dev.seed_everything(cfg.trainer.seed)
@@ -107,7 +110,7 @@ class HybridWorker:
             log.info("model: use_fused_kernels=%s share_prompt_prefix=%s use_onednn_linear=%s compile_layers=%s on %s",
                      fused, share, onednn, compiled, dev.kind)
         actor_module = build_sharded(
-            CausalLMLogProbs, path=model.path, override_config=dict(model.override_config),
+            CausalLMLogProbs, path=self.model_path, override_config=dict(model.override_config),
             trust_remote_code=model.trust_remote_code, fsdp_cfg=arr.actor.fsdp_config, dev=dev,
             compute_dtype=dtypes["actor"], trainable=True,
             gradient_checkpointing=model.enable_gradient_checkpointing, fused_kernels=fused, seed=cfg.trainer.seed,
@@ -125,7 +128,7 @@ class HybridWorker:
         elif d.use_reference:
             ref_share = share_prompt_prefix_on(model, dev) and d.ref_sp == 1
             ref_module = build_sharded(
-                CausalLMLogProbs, path=model.path, override_config=dict(model.override_config),
+                CausalLMLogProbs, path=self.model_path, override_config=dict(model.override_config),
                 trust_remote_code=model.trust_remote_code, fsdp_cfg=arr.ref.fsdp_config, dev=dev,
                 compute_dtype=dtypes["ref"], trainable=False,
                 gradient_checkpointing=False, fused_kernels=fused, seed=cfg.trainer.seed,
@@ -156,7 +159,7 @@ class HybridWorker:
 
     def _build_rollout(self) -> None:
         arr = self.cfg.actor_rollout_ref
-        tok = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or arr.model.path,
+        tok = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or self.model_path,
                                             trust_remote_code=arr.model.trust_remote_code)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         # LoRA: vLLM's LoRA layers and adapter syncs, or (model.lora.merge) an engine without LoRA taking the
@@ -166,8 +169,8 @@ class HybridWorker:
             log.info("LoRA: model.lora.merge on: the engine runs without LoRA; each sync sends W + alpha/r x B A")
         adapters = self.lora is not None and not merged
         self.rollout = build_rollout(
-            arr.rollout, device=self.dev, model_path=arr.model.path, prompt_length=self.derived.prompt_length,
-            response_length=self.derived.response_length, pad_token_id=pad, eos_token_ids=eos_ids(tok, arr.model.path),
+            arr.rollout, device=self.dev, model_path=self.model_path, prompt_length=self.derived.prompt_length,
+            response_length=self.derived.response_length, pad_token_id=pad, eos_token_ids=eos_ids(tok, self.model_path),
             module=self.actor.module, trust_remote_code=arr.model.trust_remote_code,
             lora_adapter=lora.peft_config_dict(self.actor.module.hf) if adapters else None,
             decode_rows=engine_decode_rows(self.derived.gen_batch_size, self.derived.n, self.derived.world_size),

@@ -24,6 +24,7 @@ What each part of the run does with LoRA on:
 from __future__ import annotations
 
 import copy
+import json
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -55,16 +56,41 @@ class LoraSettings:
     alpha: int
     target_modules: str | list[str]  # "all-linear" or module names
     exclude_modules: Optional[str]
+    adapter_path: Optional[str] = None  # model.lora_adapter_path: the adapter weights to start from
 
     @classmethod
     def of(cls, model: ModelConfig) -> Optional["LoraSettings"]:
-        """The settings of ``model``, or None for full fine-tuning (lora_rank=0)."""
+        """The settings of ``model``, or None for full fine-tuning (lora_rank=0 and no lora_adapter_path)."""
+        if model.lora_adapter_path:
+            return cls.of_adapter(model)
         if model.lora_rank == 0:
             return None
         targets = list(model.target_modules)
         return cls(rank=model.lora_rank, alpha=model.lora_alpha,
                    target_modules="all-linear" if targets == ["all-linear"] else targets,
                    exclude_modules=model.exclude_modules)
+
+    @classmethod
+    def of_adapter(cls, model: ModelConfig) -> "LoraSettings":
+        """The settings of the adapter directory ``model.lora_adapter_path`` (its adapter_config.json, as PEFT wrote
+        it; verl's PeftModel.from_pretrained reads the same). A model.lora_rank or lora_alpha set to another value
+        is refused in one line."""
+        path, key = model.lora_adapter_path, "actor_rollout_ref.model.lora_adapter_path"
+        config_file = os.path.join(path, "adapter_config.json")
+        if not os.path.isfile(config_file) or not os.path.isfile(os.path.join(path, ADAPTER_FILE)):
+            raise ValueError(f"{key}={path}: expected a PEFT adapter directory with adapter_config.json and {ADAPTER_FILE}")
+        with open(config_file) as f:
+            config = json.load(f)
+        rank, alpha = int(config["r"]), int(config["lora_alpha"])
+        for name, ours, theirs in (("lora_rank", model.lora_rank, rank), ("lora_alpha", model.lora_alpha, alpha)):
+            if name == "lora_rank" and ours == 0 or name == "lora_alpha" and model.lora_rank == 0:
+                continue  # not set: the adapter's value
+            if ours != theirs:
+                raise ValueError(f"actor_rollout_ref.model.{name}={ours}, but the adapter in {key}={path} has {theirs}; "
+                                 f"leave {name} unset or set it to the adapter's")
+        targets = config.get("target_modules") or "all-linear"
+        return cls(rank=rank, alpha=alpha, target_modules=targets if isinstance(targets, str) else sorted(targets),
+                   exclude_modules=config.get("exclude_modules"), adapter_path=path)
 
 
 def _peft():
@@ -86,6 +112,25 @@ def apply_lora(hf_model: nn.Module, settings: LoraSettings) -> None:
                              task_type="CAUSAL_LM")
     peft.get_peft_model(hf_model, config, adapter_name=ADAPTER_NAME)  # mutates hf_model; the wrapper is not kept
     hf_model.lora_config = config  # plain attribute: what export_adapter writes as adapter_config.json
+
+
+def load_adapter(hf_model: nn.Module, path: str) -> None:
+    """Copy the adapter weights of the PEFT directory ``path`` into ``hf_model``'s LoRA layers (after
+    :func:`apply_lora` with its settings); every adapter tensor of the model must be in the file, with its shape."""
+    weights = load_file(os.path.join(path, ADAPTER_FILE))
+    params = {name: p for name, p in hf_model.named_parameters() if ".lora_" in name}
+    wanted = {PEFT_PREFIX + name.replace(f".{ADAPTER_NAME}.", "."): name for name in params}
+    missing = sorted(set(wanted) - set(weights))
+    if missing:
+        raise ValueError(f"actor_rollout_ref.model.lora_adapter_path={path}: {len(missing)} adapter tensors missing "
+                         f"from {ADAPTER_FILE}, e.g. {missing[0]}")
+    with torch.no_grad():
+        for file_name, name in wanted.items():
+            tensor = weights[file_name]
+            if tensor.shape != params[name].shape:
+                raise ValueError(f"actor_rollout_ref.model.lora_adapter_path={path}: {file_name} has shape "
+                                 f"{tuple(tensor.shape)}, the model's adapter {tuple(params[name].shape)}")
+            params[name].copy_(tensor)
 
 
 def lora_layers(module: nn.Module) -> list[nn.Module]:

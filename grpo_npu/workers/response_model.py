@@ -147,6 +147,8 @@ def build_sharded(
                                   trust_remote_code=trust_remote_code, key=path_key)
     if lora is not None:  # before the ops patch: the fused MLP must see the wrapped projections and keep them
         lora_lib.apply_lora(hf_model, lora)
+        if lora.adapter_path:  # model.lora_adapter_path: start from a saved adapter
+            lora_lib.load_adapter(hf_model, lora.adapter_path)
     patch_ops = ops_to_patch(fused_kernels=fused_kernels, onednn_linear=onednn_linear, shared_prefix=shared_prefix,
                              remove_padding=remove_padding, attn_implementation=config._attn_implementation,
                              device_kind=dev.kind, sequence_parallel=sequence_parallel > 1)

@@ -164,3 +164,30 @@ def test_full_fine_tuning_is_unchanged_by_lora_rank_zero(tiny_model_path):
     assert all(p.requires_grad for p in worker.actor.module.parameters())
     names = [n for n, _ in fsdp.iter_full_state_dict(worker.actor.module.hf)]
     assert [n for n, _ in worker.rollout_weights()] == names
+
+
+def test_starting_from_a_saved_adapter_and_loading_through_shared_memory(tiny_model_path, tmp_path, monkeypatch):
+    """verl's model.lora_adapter_path: a new actor built on an exported adapter computes what the trained actor does,
+    its reference is still the base model, and its settings come from the adapter's config; model.use_shm loads the
+    same model from a copy in shared memory."""
+    from grpo_npu import io
+    from grpo_npu.workers import hybrid
+
+    trained = make_worker(make_cfg(tiny_model_path, *LORA, "actor_rollout_ref.actor.use_kl_loss=True"))
+    batch = _trained(trained, seed=9)
+    lora.export_adapter(trained.actor.module.hf, str(tmp_path / "adapter"))
+    shm_root = tmp_path / "shm"  # stands for /dev/shm/grpo_npu-models
+    monkeypatch.setattr(hybrid, "shm_copy", lambda path: io.shm_copy(path, root=str(shm_root)))
+    keys = (f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'adapter'}",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=True", "actor_rollout_ref.model.use_shm=True",
+            "actor_rollout_ref.actor.use_kl_loss=True")
+    started = make_worker(make_cfg(tiny_model_path, *keys))
+    assert started.model_path.startswith(str(shm_root)) and started.lora.rank == RANK and started.lora.alpha == ALPHA
+    torch.testing.assert_close(started.compute_log_prob(batch)[0], trained.compute_log_prob(batch)[0], atol=0, rtol=0)
+    torch.testing.assert_close(started.compute_ref_log_prob(batch), trained.compute_ref_log_prob(batch), atol=0, rtol=0)
+    assert io.shm_copy(tiny_model_path, root=str(shm_root)) == started.model_path  # one copy per source directory
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref\.model\.lora_rank=4, but the adapter in "
+                                         r"actor_rollout_ref\.model\.lora_adapter_path=.* has 8; leave lora_rank unset"):
+        make_worker(make_cfg(tiny_model_path, *keys, "actor_rollout_ref.model.lora_rank=4"))
+    with pytest.raises(ValueError, match=r"lora_adapter_path=.*: expected a PEFT adapter directory"):
+        make_worker(make_cfg(tiny_model_path, f"actor_rollout_ref.model.lora_adapter_path={tmp_path}"))
