@@ -13,6 +13,7 @@ Standard library only: the entry points and the doctor import it before torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -141,8 +142,6 @@ def shm_copy(path: str, root: str = SHM_ROOT) -> str:
     """A copy of the model directory ``path`` in shared memory (``root``), made once per machine: the first process
     copies into a temporary folder and renames it into place; a later one (or another rank) finds it there. The
     name is a hash of the absolute source path."""
-    import hashlib
-
     if not os.path.isdir(os.path.dirname(root)):
         raise ValueError(f"actor_rollout_ref.model.use_shm=True: {os.path.dirname(root)} does not exist on this machine")
     source = os.path.abspath(path)

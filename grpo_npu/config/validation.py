@@ -178,8 +178,7 @@ def validate(cfg: Config) -> None:
         require("all-linear" not in model.target_modules or len(model.target_modules) == 1,
                 f"actor_rollout_ref.model.target_modules={list(model.target_modules)}: all-linear stands alone "
                 "(or list module names)")
-    lora_on = model.lora_rank > 0 or bool(model.lora_adapter_path)
-    require(model.lora.merge is not True or (lora_on and rollout.name == "vllm"),
+    require(model.lora.merge is not True or (_lora_on(model) and rollout.name == "vllm"),
             "actor_rollout_ref.model.lora.merge=True needs LoRA (model.lora_rank > 0 or lora_adapter_path) and "
             "rollout.name=vllm: it "
             "chooses how a LoRA actor's weights reach the vLLM engine (the hf rollout generates with the actor itself)")
@@ -222,31 +221,36 @@ def _check_sequence_parallel(cfg: Config) -> None:
     LoRA the reference is the actor's own module, so it splits as the actor does."""
     arr = cfg.actor_rollout_ref
     model, actor, ref = arr.model, arr.actor, arr.ref
+    actor_sp = actor.ulysses_sequence_parallel_size
+    ref_sp = ref.ulysses_sequence_parallel_size or actor_sp  # null: the actor's
+    critic_sp = cfg.critic.ulysses_sequence_parallel_size
     for key, size, padding_key, remove_padding in (
-            ("actor_rollout_ref.actor", actor.ulysses_sequence_parallel_size, "actor_rollout_ref.model",
-             model.use_remove_padding),
-            ("actor_rollout_ref.ref", ref.ulysses_sequence_parallel_size or actor.ulysses_sequence_parallel_size,
-             "actor_rollout_ref.model", model.use_remove_padding),
-            ("critic", cfg.critic.ulysses_sequence_parallel_size, "critic.model", cfg.critic.model.use_remove_padding)):
+            ("actor_rollout_ref.actor", actor_sp, "actor_rollout_ref.model", model.use_remove_padding),
+            ("actor_rollout_ref.ref", ref_sp, "actor_rollout_ref.model", model.use_remove_padding),
+            ("critic", critic_sp, "critic.model", cfg.critic.model.use_remove_padding)):
         if size > 1:
             require(remove_padding, f"{key}.ulysses_sequence_parallel_size={size} splits packed rows: set "
                                     f"{padding_key}.use_remove_padding=True")
-    if actor.ulysses_sequence_parallel_size > 1 or (ref.ulysses_sequence_parallel_size or 1) > 1:
+    if max(actor_sp, ref_sp) > 1:
         require(model.share_prompt_prefix is not True,
                 "actor_rollout_ref.model.share_prompt_prefix=True packs each prompt once for all its responses, which "
                 "sequence parallelism (ulysses_sequence_parallel_size > 1) does not split; leave it null (auto: off "
                 "then) or set False")
-    if any(size > 1 for size in (actor.ulysses_sequence_parallel_size, ref.ulysses_sequence_parallel_size or 1,
-                                 cfg.critic.ulysses_sequence_parallel_size)):
+    if max(actor_sp, ref_sp, critic_sp) > 1:
         require(not model.compile_layers,
                 "actor_rollout_ref.model.compile_layers=True compiles each decoder layer, whose attention holds "
                 "collectives under sequence parallelism (ulysses_sequence_parallel_size > 1): the two together are "
                 "untested; set one of them off")
-    if (model.lora_rank > 0 or model.lora_adapter_path) and ref.ulysses_sequence_parallel_size is not None:
-        require(ref.ulysses_sequence_parallel_size == actor.ulysses_sequence_parallel_size,
+    if _lora_on(model) and ref.ulysses_sequence_parallel_size is not None:
+        require(ref.ulysses_sequence_parallel_size == actor_sp,
                 f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref.ulysses_sequence_parallel_size}: with LoRA "
                 "the reference is the actor's module with its adapters off, so it runs with the actor's "
-                f"ulysses_sequence_parallel_size={actor.ulysses_sequence_parallel_size}")
+                f"ulysses_sequence_parallel_size={actor_sp}")
+
+
+def _lora_on(model: Any) -> bool:
+    """LoRA on the actor: a rank, or a saved adapter to start from (which brings its own)."""
+    return model.lora_rank > 0 or bool(model.lora_adapter_path)
 
 
 def _check_gdpo(alg: Any) -> None:

@@ -28,7 +28,7 @@ class ValueHead(ResponseModel):
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         h, _, gather = self.hidden_at_predictions(inputs)  # (n, H)
-        values = gather(self.hf.score(h)[:, 0].float())  # (N,)
+        (values,) = gather(self.hf.score(h)[:, 0].float())  # (N,)
         return scatter_valid(values, inputs.response_valid)
 
 

@@ -82,12 +82,11 @@ class LoraSettings:
         with open(config_file) as f:
             config = json.load(f)
         rank, alpha = int(config["r"]), int(config["lora_alpha"])
-        for name, ours, theirs in (("lora_rank", model.lora_rank, rank), ("lora_alpha", model.lora_alpha, alpha)):
-            if name == "lora_rank" and ours == 0 or name == "lora_alpha" and model.lora_rank == 0:
-                continue  # not set: the adapter's value
-            if ours != theirs:
-                raise ValueError(f"actor_rollout_ref.model.{name}={ours}, but the adapter in {key}={path} has {theirs}; "
-                                 f"leave {name} unset or set it to the adapter's")
+        if model.lora_rank > 0:  # set (else the adapter's rank and alpha serve): both must be the adapter's
+            for name, ours, theirs in (("lora_rank", model.lora_rank, rank), ("lora_alpha", model.lora_alpha, alpha)):
+                if ours != theirs:
+                    raise ValueError(f"actor_rollout_ref.model.{name}={ours}, but the adapter in {key}={path} has "
+                                     f"{theirs}; leave {name} unset or set it to the adapter's")
         targets = config.get("target_modules") or "all-linear"
         return cls(rank=rank, alpha=alpha, target_modules=targets if isinstance(targets, str) else sorted(targets),
                    exclude_modules=config.get("exclude_modules"), adapter_path=path)

@@ -56,10 +56,10 @@ class ResponseModel(nn.Module):
             self.sp_group = group
 
     def hidden_at_predictions(self, inputs: ModelInputs
-                              ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-        """((n, H) hidden states that predict response tokens, their (n,) labels, gather): ``gather`` turns (n, ...)
-        outputs into the (N, ...) of every valid response token. n = N and ``gather`` is the identity unless the
-        model is sequence-parallel, where this rank holds n of the N (:mod:`grpo_npu.workers.ulysses`)."""
+                              ) -> tuple[torch.Tensor, torch.Tensor, Callable[..., tuple[torch.Tensor, ...]]]:
+        """((n, H) hidden states that predict response tokens, their (n,) labels, gather): ``gather(*values)`` turns
+        (n,) outputs into the (N,) of every valid response token. n = N and ``gather`` hands its arguments back unless
+        the model is sequence-parallel, where this rank holds n of the N (:mod:`grpo_npu.workers.ulysses`)."""
         inputs, gather = ulysses.predictions(inputs, self.sp_group)
         out = self.hf.model(
             input_ids=inputs.input_ids,
@@ -80,7 +80,7 @@ class CausalLMLogProbs(ResponseModel):
         weight = self.hf.get_output_embeddings().weight  # (V, H), gathered by the root's FSDP hook
         out = linear_logprobs(h, weight.to(h.dtype), labels, temperature=temperature, with_entropy=with_entropy,
                               onednn=self.onednn_linear)
-        logp, entropy = gather(torch.stack(out, -1)).unbind(-1) if with_entropy else (gather(out), None)  # (N,) each
+        logp, entropy = gather(*out) if with_entropy else (*gather(out), None)  # (N,) each
         valid = inputs.response_valid
         return scatter_valid(logp, valid), (scatter_valid(entropy, valid) if with_entropy else None)
 

@@ -96,10 +96,12 @@ def gather_predictions(values: torch.Tensor, where: torch.Tensor, total: int,
 
 
 def predictions(inputs: ModelInputs, group: dist.ProcessGroup | None
-                ) -> tuple[ModelInputs, Callable[[torch.Tensor], torch.Tensor]]:
-    """(the inputs this rank runs, gather): without a group the inputs as they are and the identity."""
+                ) -> tuple[ModelInputs, Callable[..., tuple[torch.Tensor, ...]]]:
+    """(the inputs this rank runs, gather): ``gather(*values)`` turns (n,) outputs into the (N,) of the whole
+    micro-batch, all of them in one collective. Without a group the inputs as they are and ``gather`` hands the values
+    back untouched."""
     if group is None:
-        return inputs, lambda values: values
+        return inputs, lambda *values: values
     local, where = shard_inputs(inputs, group)
     total = inputs.labels.shape[0]
-    return local, lambda values: gather_predictions(values, where, total, group)
+    return local, lambda *values: gather_predictions(torch.stack(values, -1), where, total, group).unbind(-1)
