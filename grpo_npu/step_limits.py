@@ -180,7 +180,7 @@ def phase_passes(cfg, d: Derived, lengths: Sequence[int]) -> dict[str, Passes]:
     phases = {
         "update_actor": (d.mini_batch_responses_per_rank, d.micro_batch_per_rank,
                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", arr.actor.use_dynamic_bsz,
-                         arr.actor.ppo_max_token_len_per_gpu * d.sp, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                         d.max_token_len, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
                          "actor_rollout_ref.actor.use_dynamic_bsz=True"),
         "old_log_prob": (rank_rows(d.sp), d.log_prob_micro_batch_per_rank,
                          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", d.log_prob_use_dynamic_bsz,
@@ -192,7 +192,7 @@ def phase_passes(cfg, d: Derived, lengths: Sequence[int]) -> dict[str, Passes]:
                 "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True"),
         "update_critic": (d.critic_mini_batch_responses_per_rank, d.critic_micro_batch_per_rank,
                           "critic.ppo_micro_batch_size_per_gpu", d.critic_use_dynamic_bsz,
-                          critic.ppo_max_token_len_per_gpu * d.critic_sp, "critic.ppo_max_token_len_per_gpu",
+                          d.critic_max_token_len, "critic.ppo_max_token_len_per_gpu",
                           "critic.use_dynamic_bsz=True"),
         "values": (rank_rows(d.critic_sp), d.values_micro_batch_per_rank, "critic.forward_micro_batch_size_per_gpu",
                    d.critic_use_dynamic_bsz, d.values_max_token_len, "critic.forward_max_token_len_per_gpu",
@@ -229,7 +229,7 @@ def memory_plan_metrics(cfg, d: Derived, dev: Device, shape: ModelShape, dtype, 
     arr, world_size = cfg.actor_rollout_ref, d.world_size
     actor, rollout = arr.actor, arr.rollout
     length = d.prompt_length + d.response_length
-    tokens_micro = max(1, actor.ppo_max_token_len_per_gpu * d.sp // length)  # dynamic batch size: rows of a full budget
+    tokens_micro = max(1, d.max_token_len // length)  # dynamic batch size: rows of a full budget
     kv = None
     if rollout.name == "vllm" and not dev.is_accelerator:
         kv = int((rollout.engine_kwargs.get("vllm", {}) or {}).get("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES))

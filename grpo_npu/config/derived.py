@@ -47,6 +47,8 @@ class Derived:
     ref_log_prob_use_dynamic_bsz: bool
     ref_log_prob_max_token_len: int
     old_logp_from_update: bool = False  # old log-probs come from the update's forward (actor.old_log_prob=auto, no rollout correction)
+    max_token_len: int = 0  # the actor update's micro-batch token budget: ppo_max_token_len_per_gpu x sp (a group's)
+    critic_max_token_len: int = 0  # ... the critic update's
     sp: int = 1  # Ulysses sequence-parallel ranks of the actor (old log-probs, update): they share each micro-batch
     ref_sp: int = 1  # ... of the reference pass
     critic_sp: int = 1  # ... of the critic
@@ -159,6 +161,8 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
         old_logp_from_update=(actor.old_log_prob == "auto" and actor.ppo_epochs == 1
                               and actor.ppo_mini_batch_size == d.train_batch_size and not alg.use_kl_in_reward
                               and not rollout_correction_on(cfg)),
+        max_token_len=actor.ppo_max_token_len_per_gpu * sp,
+        critic_max_token_len=critic.ppo_max_token_len_per_gpu * critic_sp,
         sp=sp, ref_sp=ref_sp, critic_sp=critic_sp,
     )
 

@@ -119,7 +119,7 @@ class Actor(Policy):
         self.loop = UpdateLoop(
             module, dev, cfg.optim, cfg.fsdp_config, grad_clip=cfg.grad_clip, total_steps=total_steps,
             micro_size=derived.micro_batch_per_rank,
-            max_tokens=cfg.ppo_max_token_len_per_gpu * derived.sp if cfg.use_dynamic_bsz else None,
+            max_tokens=derived.max_token_len if cfg.use_dynamic_bsz else None,
             horizon=derived.response_length, shuffle_seed=shuffle_seed if cfg.shuffle else None,
             offload_activations=offload_activations and dev.is_accelerator,  # on the host they are there already
         )
