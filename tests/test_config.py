@@ -524,6 +524,41 @@ def test_interpolations_on_the_command_line_resolve_against_the_whole_config(mon
         load_config(BASE + ["trainer.experiment_name=${trainer.nope}"])
 
 
+def test_verl_091_critic_engine_block_and_checkpoint_and_worker_keys():
+    """verl 0.9.1 keeps the critic's FSDP settings in critic.fsdp (grpo_npu's critic.model.fsdp_config, older verl's
+    home); a critic checkpoint retention equal to the actor's is what one shared checkpoint does; verl's
+    legacy-worker switch runs the same algorithm at every value. Anything else is refused in one line."""
+    ppo = BASE + ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=1"]
+    fsdp = load_config(ppo + ["critic.fsdp.param_offload=True", "critic.fsdp.optimizer_offload=True",
+                              "critic.fsdp.fsdp_size=1", "critic.fsdp.reshard_after_forward=False"]).critic.model.fsdp_config
+    assert (fsdp.param_offload, fsdp.optimizer_offload, fsdp.fsdp_size, fsdp.reshard_after_forward) == (True, True, 1, False)
+    assert load_config(ppo).critic.model.fsdp_config.param_offload is False
+    with pytest.raises(ConfigError, match=r"^critic\.fsdp\.param_offload=True and critic\.model\.fsdp_config\.param_offload="
+                                          r"False are one setting in grpo_npu"):
+        load_config(ppo + ["critic.fsdp.param_offload=True", "critic.model.fsdp_config.param_offload=False"])
+    load_config(ppo + ["trainer.max_actor_ckpt_to_keep=1", "trainer.max_critic_ckpt_to_keep=1"])
+    with pytest.raises(ConfigError, match=r"^not supported by grpo_npu: trainer\.max_critic_ckpt_to_keep=1 \(a critic "
+                                          r"checkpoint retention of its own .*supported values: null, 2$"):
+        load_config(ppo + ["trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=1"])
+    for value in ("auto", "disable", "enable"):
+        load_config(BASE + [f"trainer.use_legacy_worker_impl={value}"])
+    with pytest.raises(ConfigError, match=r"^not supported by grpo_npu: trainer\.use_legacy_worker_impl=v2 .*supported "
+                                          r"values: auto, disable, enable$"):
+        load_config(BASE + ["trainer.use_legacy_worker_impl=v2"])
+    sizes = "actor_rollout_ref.rollout.cudagraph_capture_sizes"
+    assert load_config(BASE + [f"{sizes}=[8, 16]"]).actor_rollout_ref.rollout.cudagraph_capture_sizes == (8, 16)
+    for extra, message in ((["actor_rollout_ref.rollout.enforce_eager=True"], r"\[8\] with enforce_eager=True: an eager "
+                                                                                 r"engine captures no graphs"),
+                           (["actor_rollout_ref.rollout.name=hf"], r"\[8\] sets the vLLM engine"),
+                           ([], None)):
+        if message is None:
+            with pytest.raises(ConfigError, match=rf"^{sizes}=\[0\]: expected a list of positive batch sizes$"):
+                load_config(BASE + [f"{sizes}=[0]"])
+            continue
+        with pytest.raises(ConfigError, match=rf"^{sizes}={message}"):
+            load_config(BASE + [f"{sizes}=[8]"] + extra)
+
+
 def test_ulysses_sequence_parallelism_keys_and_their_limits():
     """verl's four homes of the Ulysses size act; the sizes change the per-rank arithmetic to data-parallel groups
     and the token budgets to the group's; what sequence parallelism cannot split is refused in one line."""

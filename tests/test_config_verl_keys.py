@@ -26,7 +26,6 @@ NOT_IMPLEMENTED = {
     "hydra.searchpath": "Megatron-lite through a Hydra search path",
     "actor_rollout_ref.model.use_shm": "model loading through shared memory",
     "+actor_rollout_ref.actor.fsdp_config.model_dtype": "a + on a key verl 0.9.1 declares (Hydra refuses it too)",
-    "trainer.use_legacy_worker_impl": "verl's worker-implementation switch (newer verl)",
 }
 
 

@@ -300,6 +300,8 @@ class RolloutConfig:
     """Keep generating past eos (benchmarks)."""
     enforce_eager: Optional[bool] = None
     """Disable graph capture (CUDA graphs / ACL graphs); None: eager on CPU and NPU, graphs on CUDA."""
+    cudagraph_capture_sizes: Optional[List[int]] = None
+    """Batch sizes vLLM captures graphs for (compilation_config.cudagraph_capture_sizes; None: vLLM's list); needs graph capture (enforce_eager=False, or auto on CUDA)."""
     free_cache_engine: bool = True
     """Release the KV cache (sleep) after each rollout."""
     enable_sleep_mode: bool = True

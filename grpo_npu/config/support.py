@@ -95,6 +95,10 @@ RULES: tuple[Rule, ...] = tuple([
     Rule("actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size", ALIAS,
          target="actor_rollout_ref.ref.ulysses_sequence_parallel_size"),
     Rule("critic.fsdp.ulysses_sequence_parallel_size", ALIAS, target="critic.ulysses_sequence_parallel_size"),
+    # verl 0.9.1's critic engine block (critic.fsdp) is grpo_npu's critic.model.fsdp_config (older verl's home)
+    *[Rule(f"critic.fsdp.{key}", ALIAS, target=f"critic.model.fsdp_config.{key}")
+      for key in ("param_offload", "optimizer_offload", "offload_policy", "reshard_after_forward", "fsdp_size",
+                  "forward_prefetch", "model_dtype")],
     # verl's PrefixGrouper: each prompt's forward shared by its responses, what share_prompt_prefix does
     Rule("actor_rollout_ref.actor.use_prefix_grouper", ALIAS, target="actor_rollout_ref.model.share_prompt_prefix"),
     Rule("actor_rollout_ref.actor.optim.clip_grad", ALIAS, target="actor_rollout_ref.actor.grad_clip"),
@@ -110,7 +114,8 @@ RULES: tuple[Rule, ...] = tuple([
              "trainer.del_local_ckpt_after_load", accepted=(False,)),
     *_refuse("scoring in the background", "reward_model.launch_reward_fn_async", accepted=(False,)),
     *_refuse("a critic checkpoint retention of its own (the critic is saved in the same checkpoint: "
-             "trainer.max_actor_ckpt_to_keep)", "trainer.max_critic_ckpt_to_keep", accepted=(None,)),
+             "trainer.max_actor_ckpt_to_keep)", "trainer.max_critic_ckpt_to_keep",
+             accepted=(None, "${trainer.max_actor_ckpt_to_keep}")),
     Rule("data.return_raw_chat", SAME,
          "verl keeps the messages for rollouts that template them themselves (its agent loop); grpo_npu's single-turn "
          "rollout generates from the prompt as the dataset templates it, the same tokens", (False, True)),
@@ -125,8 +130,9 @@ RULES: tuple[Rule, ...] = tuple([
     *_refuse("custom FSDP wrap policies (FSDP2 wraps each decoder layer, then the root)",
              "*.fsdp_config.wrap_policy.min_num_params", accepted=(0,)),
     *_refuse(TORCH_COMPILE, "*use_torch_compile", accepted=(False,)),
-    *_refuse("verl's worker-implementation switch (newer verl); grpo_npu has one worker implementation",
-             "trainer.use_legacy_worker_impl", accepted=("auto",)),
+    Rule("trainer.use_legacy_worker_impl", SAME,
+         "verl's switch between its legacy FSDP workers and its model-engine workers, which run the same algorithm; "
+         "grpo_npu has one worker implementation (newer verl removed the legacy one)", ("auto", "disable", "enable")),
     # whole features
     *_refuse(HYDRA, "hydra.*", "*@*", accepted=()),
     *_refuse(MEGATRON, "*.megatron.*", accepted=None),
@@ -368,7 +374,7 @@ def check_schema_values(loaded: dict, keys: tuple[str, ...]) -> None:
     """Refuse a schema key set to a value its REFUSE rule does not accept (the config as a nested dict)."""
     for key in refused_schema_keys(keys):
         _, value = _lookup(loaded, key)
-        accepted = rule_for(key).accepted  # type: ignore[union-attr]
+        accepted = accepted_values(key, loaded)  # the rule's, interpolations resolved
         if not any(_same(value, v) for v in accepted):
             raise refusal(key, "null" if value is None else str(value), accepted)
 

@@ -20,7 +20,7 @@ from grpo_npu.errors import ConfigError
 # actor_rollout_ref.rollout settings only the vLLM engine reads (grpo_npu/rollout/vllm_settings.py and its callers).
 VLLM_ONLY = ("gpu_memory_utilization", "enforce_eager", "free_cache_engine", "enable_sleep_mode", "sleep_level",
              "load_format", "tensor_model_parallel_size", "max_num_batched_tokens", "max_model_len", "max_num_seqs",
-             "enable_chunked_prefill", "enable_prefix_caching", "disable_log_stats")
+             "enable_chunked_prefill", "enable_prefix_caching", "disable_log_stats", "cudagraph_capture_sizes")
 
 
 def _settings(obj: Any, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, tuple]]:
@@ -121,13 +121,19 @@ def validate(cfg: Config) -> None:
     require(rollout.name != "hf" or rollout.dtype == "auto",
             f"actor_rollout_ref.rollout.dtype={rollout.dtype} with rollout.name=hf: that rollout generates with the "
             "actor's module in the actor's compute dtype (fsdp_config.mixed_precision.param_dtype); leave it auto")
+    sizes = rollout.cudagraph_capture_sizes
+    require(sizes is None or (len(sizes) > 0 and all(isinstance(n, int) and n > 0 for n in sizes)),
+            f"actor_rollout_ref.rollout.cudagraph_capture_sizes={list(sizes or ())}: expected a list of positive batch sizes")
+    require(sizes is None or rollout.enforce_eager is not True,
+            f"actor_rollout_ref.rollout.cudagraph_capture_sizes={list(sizes or ())} with enforce_eager=True: an eager engine "
+            "captures no graphs; set enforce_eager=False or drop the sizes")
     if rollout.name == "hf":  # settings of the vLLM engine, which the transformers rollout does not start
         for name in VLLM_ONLY:
             value, default = getattr(rollout, name), getattr(type(rollout), name)
             true_of_hf = ((name == "tensor_model_parallel_size" and value == 1)  # one copy of the model per rank
                           or (name == "load_format" and value.startswith("dummy")))  # weights come from the actor
             require(value == default or true_of_hf,
-                    f"actor_rollout_ref.rollout.{name}={value} sets the vLLM engine, which rollout.name=hf does not "
+                    f"actor_rollout_ref.rollout.{name}={list(value) if isinstance(value, tuple) else value} sets the vLLM engine, which rollout.name=hf does not "
                     "start (it generates with the actor's module): remove it, or use rollout.name=vllm")
     for engine, section in rollout.engine_kwargs.items():
         where = f"actor_rollout_ref.rollout.engine_kwargs.{engine}"

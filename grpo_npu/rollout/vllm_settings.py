@@ -201,6 +201,15 @@ def vllm_engine_kwargs(
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         kwargs["block_size"] = CPU_BLOCK_SIZE
     kwargs.update(user_engine_arguments(cfg))  # the user's win, as in verl (engine_kwargs.vllm.max_model_len=...)
+    if cfg.cudagraph_capture_sizes:
+        if kwargs["enforce_eager"]:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.cudagraph_capture_sizes={list(cfg.cudagraph_capture_sizes)}: the engine "
+                f"runs eager on {device_kind} (enforce_eager auto), so it captures no graphs; set "
+                "actor_rollout_ref.rollout.enforce_eager=False or drop the sizes")
+        compilation = dict(kwargs.get("compilation_config") or {})  # over engine_kwargs.vllm's, as verl does
+        compilation["cudagraph_capture_sizes"] = list(cfg.cudagraph_capture_sizes)
+        kwargs["compilation_config"] = compilation
     if device_kind == "npu" and sleep_mode:
         _refuse_nz_weight_mode(kwargs.get("additional_config"))
     if device_kind == "cpu" and cpu_norm_kernels and kwargs["enforce_eager"]:  # eager as the engine will be built

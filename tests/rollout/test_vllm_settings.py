@@ -133,6 +133,21 @@ def test_enforce_eager_auto_captures_graphs_on_cuda_only(device_kind, auto):
         assert _kwargs(device_kind, enforce_eager=explicit)["enforce_eager"] is explicit
 
 
+def test_cudagraph_capture_sizes_reach_the_compilation_config_of_a_graph_capturing_engine():
+    """verl's rollout.cudagraph_capture_sizes: written over engine_kwargs.vllm.compilation_config's own entry, next to
+    its other entries (as verl's vLLM server does); an engine that runs eager is refused, naming the key."""
+    kw = _kwargs("cuda", cudagraph_capture_sizes=(8, 16, 32),
+                 engine_kwargs={"vllm": {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
+                                                                "cudagraph_capture_sizes": [4]}}})
+    assert kw["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [8, 16, 32]}
+    assert _kwargs("npu", torch.bfloat16, enforce_eager=False, cudagraph_capture_sizes=(4,))["compilation_config"] == {
+        "cudagraph_capture_sizes": [4]}
+    assert "compilation_config" not in _kwargs("cuda")
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref\.rollout\.cudagraph_capture_sizes=\[8\]: the engine runs "
+                                         r"eager on npu \(enforce_eager auto\)"):
+        _kwargs("npu", torch.bfloat16, cudagraph_capture_sizes=(8,))
+
+
 def test_engine_kwargs_user_overrides_and_bad_lengths():
     kw = _kwargs("cpu", engine_kwargs={"vllm": {"kv_cache_memory_bytes": 123, "max_logprobs": 4, "block_size": 128}})
     assert kw["kv_cache_memory_bytes"] == 123 and kw["max_logprobs"] == 4 and kw["block_size"] == 128
