@@ -23,7 +23,7 @@ import torch
 TENSOR_FIELDS = (
     "prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logp", "old_logp", "ref_logp",
     "values", "token_level_scores", "token_level_rewards", "advantages", "returns", "rollout_is_weights", "loss_mask",
-    "reward_baselines",
+    "reward_baselines", "sum_pi_squared",
 )
 LIST_FIELDS = ("uid", "data_source", "ground_truth", "extra_info", "stop_reason", "reward_extra")
 
@@ -51,6 +51,7 @@ class RolloutBatch:
     rollout_is_weights: Optional[torch.Tensor] = None  # (B, T) rollout-correction IS weights (algorithm.rollout_correction)
     loss_mask: Optional[torch.Tensor] = None  # (B, T) response_mask minus rollout-rejected tokens (None: response_mask)
     reward_baselines: Optional[torch.Tensor] = None  # (B,) ReMax: the score of the prompt's greedy response
+    sum_pi_squared: Optional[torch.Tensor] = None  # (B, T) sum_v pi_old(v)^2 per response token (actor.calculate_sum_pi_squared)
 
     def __post_init__(self) -> None:
         b = self.prompt_ids.shape[0]

@@ -120,10 +120,12 @@ class Workers:
         per_rank = groups.per_rank([(chunk,) for chunk in batch.chunk(groups.groups)])
         return groups.one_per_group(self.group.call_ranks(method, per_rank))
 
-    def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Old-policy log-probs (B, T) and the actor/entropy metric (already reduced over ranks)."""
+    def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
+        """Old-policy log-probs (B, T), the actor/entropy metric (already reduced over ranks) and sum_v pi_v^2 (B, T)
+        (None unless actor.calculate_sum_pi_squared)."""
         outs = self.rows_call("compute_log_prob", batch, "actor")
-        return torch.cat([o[0] for o in outs]), outs[0][1]
+        sum_sq = torch.cat([o[2] for o in outs]) if outs[0][2] is not None else None
+        return torch.cat([o[0] for o in outs]), outs[0][1], sum_sq
 
     def compute_ref_log_prob(self, batch: RolloutBatch) -> torch.Tensor:
         return torch.cat(self.rows_call("compute_ref_log_prob", batch, "ref"))

@@ -11,6 +11,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from grpo_npu.algo.advantages import score_norm_proxy
+from grpo_npu.algo.masked import masked_mean, masked_sum
 from grpo_npu.batch import RolloutBatch
 
 # Sections whose per-token time is measured against generated tokens only: generation cost grows
@@ -121,6 +123,40 @@ def compute_throughput_metrics(num_tokens: int, step_seconds: float, n_devices: 
         "perf/total_num_tokens": float(num_tokens),
         "perf/time_per_step": float(step_seconds),
         "perf/throughput": num_tokens / (step_seconds * n_devices),
+    }
+
+
+def variance_proxy_metrics(batch: RolloutBatch, grad_norm: float | None) -> dict[str, float]:
+    """verl's ``variance_proxy/*`` (compute_variance_proxy_metrics), for a batch with ``sum_pi_squared``.
+
+    Per response: the mean advantage a and W = sum_t w_t over the tokens the losses count, with w_t the
+    score-norm proxy 1 - 2 pi_t + sum pi^2 (times the rollout IS weight squared, when rollout correction gives
+    weights). proxy2 = E[a^2 max(W, 0)] (with IS weights: E[rho^2 a^2 max(W_raw, 0)], rho the row's mean weight and
+    W_raw the sum without them); proxy1 = grad_norm^2 (``actor/grad_norm``; 0 without an update);
+    proxy3 = max(0, (proxy2 - proxy1) / (B - 1)); expected_a_squared = E[a^2]; expected_w = E[W].
+    """
+    mask = batch.loss_tokens()  # (B, T)
+    old_logp, sum_sq, adv = (_require(batch, n).double() for n in ("old_logp", "sum_pi_squared", "advantages"))
+    w = score_norm_proxy(old_logp, sum_sq)  # (B, T)
+    is_w = batch.rollout_is_weights.double() if batch.rollout_is_weights is not None else None
+    if is_w is not None:
+        w = w * is_w.square()
+    a = masked_mean(adv, mask, dim=-1)  # (B,)
+    w_rows = masked_sum(w, mask, dim=-1)  # (B,)
+    if is_w is not None:
+        raw = masked_sum(w / is_w.square().clamp(min=1e-10), mask, dim=-1).clamp(min=0.0)
+        proxy2 = (masked_mean(is_w, mask, dim=-1).square() * a.square() * raw).mean().item()
+    else:
+        proxy2 = (a.square() * w_rows.clamp(min=0.0)).mean().item()
+    proxy1 = grad_norm ** 2 if grad_norm is not None else None
+    rows = a.shape[0]
+    proxy3 = max(0.0, (proxy2 - proxy1) / (rows - 1)) if proxy1 is not None and rows > 1 else 0.0
+    return {
+        "variance_proxy/proxy1_signal_strength": proxy1 if proxy1 is not None else 0.0,
+        "variance_proxy/proxy2_total_power": proxy2,
+        "variance_proxy/proxy3_pure_noise": proxy3,
+        "variance_proxy/expected_a_squared": a.square().mean().item(),
+        "variance_proxy/expected_w": w_rows.mean().item(),
     }
 
 

@@ -29,7 +29,8 @@ from grpo_npu.device import get_device
 from grpo_npu.errors import StoppedBySignal, TrainingStopped
 from grpo_npu.input_checks import check_inputs
 from grpo_npu.logs import attach_run_log, detach
-from grpo_npu.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics
+from grpo_npu.metrics import (compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics,
+                              variance_proxy_metrics)
 from grpo_npu.preflight import log_checks, run_checks
 from grpo_npu.replay import RolloutSource, engine_needed
 from grpo_npu.reward.manager import OverlongShaping, get_reward_manager
@@ -278,8 +279,8 @@ class Trainer:
         metrics: dict[str, float] = {}
         if not self.old_logp_from_update(step):
             with timer("old_log_prob"):
-                old_logp, metrics = self.workers.compute_log_prob(batch)
-                batch = batch.replace(old_logp=old_logp)
+                old_logp, metrics, sum_sq = self.workers.compute_log_prob(batch)
+                batch = batch.replace(old_logp=old_logp, sum_pi_squared=sum_sq)
         if self.derived.use_reference:
             with timer("ref"):
                 batch = batch.replace(ref_logp=self.workers.compute_ref_log_prob(batch))
@@ -312,6 +313,8 @@ class Trainer:
                 metrics.update(self.workers.update_actor(batch))
         if batch.rollout_logp is not None and not self.old_logp_from_update(step):  # else the update reported them
             metrics.update(logp_diff_metrics(batch.rollout_logp, batch.old_logp, batch.response_mask))
+        if batch.sum_pi_squared is not None:  # actor.calculate_sum_pi_squared
+            metrics.update(variance_proxy_metrics(batch, metrics.get("actor/grad_norm")))
         return metrics
 
     def validate(self) -> dict[str, float]:

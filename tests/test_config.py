@@ -524,6 +524,18 @@ def test_interpolations_on_the_command_line_resolve_against_the_whole_config(mon
         load_config(BASE + ["trainer.experiment_name=${trainer.nope}"])
 
 
+def test_optimal_token_baseline_needs_sum_pi_squared_from_a_recomputed_old_log_prob_pass():
+    otb = BASE + ["algorithm.adv_estimator=optimal_token_baseline"]
+    with pytest.raises(ConfigError, match=r"^algorithm\.adv_estimator=optimal_token_baseline needs "
+                                          r"actor_rollout_ref\.actor\.calculate_sum_pi_squared=True "):
+        load_config(otb)
+    one_mini_batch = BASE + ["actor_rollout_ref.actor.ppo_mini_batch_size=8"]
+    assert derive(load_config(one_mini_batch), 2).old_logp_from_update  # auto: the update's forward, nothing else asked
+    for extra in (["actor_rollout_ref.actor.calculate_sum_pi_squared=True"],
+                  ["actor_rollout_ref.actor.calculate_sum_pi_squared=True", "algorithm.adv_estimator=optimal_token_baseline"]):
+        assert not derive(load_config(one_mini_batch + extra), 2).old_logp_from_update
+
+
 def test_verl_091_critic_engine_block_and_checkpoint_and_worker_keys():
     """verl 0.9.1 keeps the critic's FSDP settings in critic.fsdp (grpo_npu's critic.model.fsdp_config, older verl's
     home); a critic checkpoint retention equal to the actor's is what one shared checkpoint does; verl's

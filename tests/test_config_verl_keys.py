@@ -21,7 +21,6 @@ DUMMIES = {"{TINY_MODEL}": "/tmp/t/model", "{TRAIN_PARQUET}": "/tmp/t/train.parq
            "{VAL_PARQUET}": "/tmp/t/val.parquet", "{RUN_DIR}": "/tmp/t/run", "{VERL_ROOT}": "/tmp/t/verl"}
 # fsdp, text-only corpus lines (no guessed feature) that use something grpo_npu does not have: the first key refused
 NOT_IMPLEMENTED = {
-    "actor_rollout_ref.actor.calculate_sum_pi_squared": "the optimal token baseline",
     "global_profiler.tool": "nsys, torch_memory",
     "hydra.searchpath": "Megatron-lite through a Hydra search path",
     "actor_rollout_ref.model.use_shm": "model loading through shared memory",

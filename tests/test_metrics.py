@@ -14,6 +14,7 @@ from grpo_npu.metrics import (
     compute_throughput_metrics,
     compute_timing_metrics,
     reduce_metrics,
+    variance_proxy_metrics,
 )
 
 
@@ -166,3 +167,35 @@ def test_reduce_metrics():
         reduce_metrics([{"v": torch.ones(2)}])
     with pytest.raises(TypeError, match="'s'"):
         reduce_metrics([{"s": "text"}])
+
+
+@pytest.mark.parametrize("with_is", [False, True])
+def test_variance_proxy_metrics_by_hand(with_is):
+    """verl's variance_proxy/*: per row the mean advantage a and W = sum_t (1 - 2 pi_t + sum pi^2)(rho_t^2) over its
+    valid tokens; proxy2 = mean a^2 max(W, 0) (with IS weights: mean rho_row^2 a^2 max(W without them, 0));
+    proxy1 = grad_norm^2, proxy3 = max(0, (proxy2 - proxy1) / (B - 1))."""
+    b = _hand_batch()
+    mask = b.response_mask
+    gen = torch.Generator().manual_seed(3)
+    old_logp = -torch.rand(mask.shape, generator=gen)
+    sum_sq = 0.1 + 0.8 * torch.rand(mask.shape, generator=gen)
+    rho = 0.5 + torch.rand(mask.shape, generator=gen) if with_is else None
+    batch = b.replace(old_logp=old_logp, sum_pi_squared=sum_sq, rollout_is_weights=rho)
+    got = variance_proxy_metrics(batch, grad_norm=0.5)
+    a, w, w_raw, rho_row = [], [], [], []
+    for i in range(3):
+        valid = [t for t in range(4) if mask[i, t]]
+        a.append(sum(float(b.advantages[i, t]) for t in valid) / len(valid))
+        terms = [1 - 2 * math.exp(float(old_logp[i, t])) + float(sum_sq[i, t]) for t in valid]
+        w_raw.append(sum(terms))
+        w.append(sum(x * (float(rho[i, t]) ** 2 if with_is else 1.0) for x, t in zip(terms, valid)))
+        rho_row.append(sum(float(rho[i, t]) for t in valid) / len(valid) if with_is else 1.0)
+    if with_is:
+        proxy2 = sum(r * r * x * x * max(v, 0.0) for r, x, v in zip(rho_row, a, w_raw)) / 3
+    else:
+        proxy2 = sum(x * x * max(v, 0.0) for x, v in zip(a, w)) / 3
+    want = {"variance_proxy/proxy1_signal_strength": 0.25, "variance_proxy/proxy2_total_power": proxy2,
+            "variance_proxy/proxy3_pure_noise": max(0.0, (proxy2 - 0.25) / 2),
+            "variance_proxy/expected_a_squared": sum(x * x for x in a) / 3, "variance_proxy/expected_w": sum(w) / 3}
+    assert got == pytest.approx(want, rel=1e-6)
+    assert variance_proxy_metrics(batch, grad_norm=None)["variance_proxy/proxy3_pure_noise"] == 0.0

@@ -160,6 +160,21 @@ def test_gdpo_normalises_the_reward_functions_components(tiny_model_path, task, 
     assert_trained(tiny_model_path, run_dir, steps=2)
 
 
+def test_optimal_token_baseline_with_sum_pi_squared(tiny_model_path, task, score_file, tmp_path):
+    """verl's OTB command line: the old-log-prob pass returns sum pi^2, the estimator weighs each token by it, and the
+    step logs verl's variance_proxy/* (proxy1 is actor/grad_norm squared)."""
+    run_dir = tmp_path / "otb"
+    last = run(overrides(tiny_model_path, task, run_dir, "actor_rollout_ref.rollout.name=hf",
+                         "algorithm.adv_estimator=optimal_token_baseline",
+                         "actor_rollout_ref.actor.calculate_sum_pi_squared=True",
+                         f"custom_reward_function.path={score_file}",
+                         "actor_rollout_ref.actor.checkpoint.save_contents=['model','optimizer','extra','hf_model']"))
+    assert last["variance_proxy/proxy1_signal_strength"] == pytest.approx(last["actor/grad_norm"] ** 2)
+    assert last["variance_proxy/expected_w"] > 0 and last["variance_proxy/proxy2_total_power"] >= 0
+    assert "timing_s/old_log_prob" in last  # recomputed: sum pi^2 comes from that pass
+    assert_trained(tiny_model_path, run_dir, steps=2)
+
+
 def test_remax_scores_each_prompts_greedy_response_as_its_baseline(tiny_model_path, task, score_file, tmp_path):
     """ReMax: the dump holds one baseline per row, shared by the rows of a prompt, a score the reward gives;
     replaying that dump into a GRPO run works, and a GRPO dump is refused for ReMax (no baselines)."""

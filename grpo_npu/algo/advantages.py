@@ -40,8 +40,10 @@ GRPO_EPS = 1e-6
 
 # The optional inputs compute_advantage can hand to an estimator.
 OPTIONAL_INPUTS = ("group_ids", "values", "reward_baselines", "reward_components", "component_weights", "gamma", "lam",
-                   "norm_by_std", "eps")
-_REQUIRED_WHEN_USED = ("group_ids", "values", "reward_baselines", "reward_components")
+                   "norm_by_std", "eps", "old_logp", "sum_pi_squared", "rollout_is_weights")
+_REQUIRED_WHEN_USED = ("group_ids", "values", "reward_baselines", "reward_components", "old_logp", "sum_pi_squared")
+# The optimal token baseline's epsilon in the denominator of B_t = sum(G W) / (sum W + eps), as verl's.
+OTB_EPS = 1e-8
 
 
 @dataclass(frozen=True)
@@ -93,12 +95,16 @@ def compute_advantage(
     lam: float = 1.0,
     norm_by_std: bool = True,
     eps: float = GRPO_EPS,
+    old_logp: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run estimator ``name`` with the inputs it uses out of one common keyword set."""
     estimator = ADVANTAGE_ESTIMATORS.get(name)
     given = {"group_ids": group_ids, "values": values, "reward_baselines": reward_baselines,
              "reward_components": reward_components, "component_weights": component_weights, "gamma": gamma,
-             "lam": lam, "norm_by_std": norm_by_std, "eps": eps}
+             "lam": lam, "norm_by_std": norm_by_std, "eps": eps, "old_logp": old_logp,
+             "sum_pi_squared": sum_pi_squared, "rollout_is_weights": rollout_is_weights}
     for key in _REQUIRED_WHEN_USED:
         if key in estimator.uses and given[key] is None:
             raise ValueError(f"algorithm.adv_estimator={name} needs {key}, got None")
@@ -216,7 +222,8 @@ def batch_advantages(batch, rewards: torch.Tensor, alg) -> tuple[torch.Tensor, t
         alg.adv_estimator, token_level_rewards=rewards, response_mask=batch.loss_tokens(), group_ids=batch.uid,
         values=batch.values, reward_baselines=batch.reward_baselines,
         reward_components=gdpo_components(batch.reward_extra, alg.gdpo_reward_keys),
-        component_weights=alg.gdpo_reward_weights, gamma=alg.gamma, lam=alg.lam, norm_by_std=alg.norm_adv_by_std_in_grpo)
+        component_weights=alg.gdpo_reward_weights, gamma=alg.gamma, lam=alg.lam, norm_by_std=alg.norm_adv_by_std_in_grpo,
+        old_logp=batch.old_logp, sum_pi_squared=batch.sum_pi_squared, rollout_is_weights=batch.rollout_is_weights)
 
 
 def gdpo_components(reward_extra: list[dict], keys) -> torch.Tensor | None:
@@ -230,6 +237,51 @@ def gdpo_components(reward_extra: list[dict], keys) -> torch.Tensor | None:
             raise ValueError(f"algorithm.gdpo_reward_keys: row {row}'s reward result has no {', '.join(missing)} "
                              f"(it has: {', '.join(sorted(extra))}); the reward function must return a dict with them")
     return torch.tensor([[float(extra[k]) for extra in reward_extra] for k in keys], dtype=torch.float32)
+
+
+def score_norm_proxy(old_logp: torch.Tensor, sum_pi_squared: torch.Tensor) -> torch.Tensor:
+    """(B, T) ||s_t||^2 proxy of each token's score-function norm: 1 - 2 pi_t(y_t) + sum_v pi_t(v)^2."""
+    return 1.0 - 2.0 * torch.exp(old_logp) + sum_pi_squared
+
+
+@register_advantage("optimal_token_baseline", uses=("group_ids", "old_logp", "sum_pi_squared", "rollout_is_weights"))
+def optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids, old_logp: torch.Tensor,
+    sum_pi_squared: torch.Tensor, rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal token baseline (verl 0.9.1's compute_optimal_token_baseline_advantage): A_t = G_t - B_t per token.
+
+    G_t is the reward-to-go; W_t = sum_{j<=t} w_j with w_j = 1 - 2 pi_j + sum pi^2 (times the rollout IS weight
+    squared, when rollout correction gives weights); each prompt group gets one baseline per position,
+    B_t = sum_i G_it W_it / (sum_i W_it + 1e-8) over its members' valid tokens. A group of one has B = 0. The
+    positions of a group's single longest response past its second longest get B = 0 (verl's handle_zero_tail).
+    Returns (advantages, returns = G), zero outside the mask.
+    """
+    valid = _valid_mask(token_level_rewards, response_mask)
+    for name, t in (("old_logp", old_logp), ("sum_pi_squared", sum_pi_squared), ("rollout_is_weights", rollout_is_weights)):
+        if t is not None and t.shape != valid.shape:
+            raise ValueError(f"optimal_token_baseline: {name} {tuple(t.shape)}, expected {tuple(valid.shape)}")
+    dtype = acc_dtype(token_level_rewards)
+    m = valid.to(dtype)
+    returns = (token_level_rewards.to(dtype) * m).flip(-1).cumsum(-1).flip(-1)  # (B, T) G_t
+    w = score_norm_proxy(old_logp.to(dtype), sum_pi_squared.to(dtype))
+    if rollout_is_weights is not None:
+        w = w * rollout_is_weights.to(dtype).square()
+    w_cum = (w * m).cumsum(-1)  # (B, T) W_t
+    index, num_groups = group_index(group_ids, valid.shape[0], valid.device)
+    width = valid.shape[1]
+    num = torch.zeros(num_groups, width, dtype=dtype).index_add_(0, index, returns * w_cum * m)
+    den = torch.zeros(num_groups, width, dtype=dtype).index_add_(0, index, w_cum * m) + OTB_EPS
+    count = torch.bincount(index, minlength=num_groups)
+    baselines = torch.where((count > 1)[index, None], (num / den)[index], torch.zeros_like(returns))  # (B, T)
+    lengths = valid.sum(-1)  # (B,)
+    for g in torch.nonzero(count > 1).flatten().tolist():  # the zero tail: one longest response per group
+        members = torch.nonzero(index == g).flatten()
+        top2 = torch.topk(lengths[members], 2).values
+        longest = members[lengths[members] == top2[0]]
+        if longest.numel() == 1 and top2[0] > top2[1]:
+            baselines[longest[0], int(top2[1]):] = 0.0
+    return (returns - baselines) * m, returns
 
 
 @register_advantage("rloo", uses=("group_ids",))

@@ -186,6 +186,8 @@ class ActorConfig:
     """Entropy bonus coefficient (loss -= coeff x entropy)."""
     calculate_entropy: bool = False
     """Compute the entropy in the update's forward and log it as actor/entropy_loss (always so when entropy_coeff != 0)."""
+    calculate_sum_pi_squared: bool = False
+    """Compute sum_v pi(v)^2 of each response token's distribution in the old-log-prob pass: needed by adv_estimator=optimal_token_baseline; logs variance_proxy/* (old log-probs are then always recomputed)."""
     use_kl_loss: bool = False
     """Add a KL(policy || reference) term to the actor loss (GRPO)."""
     kl_loss_coef: float = 0.001

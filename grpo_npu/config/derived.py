@@ -160,7 +160,7 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
         ref_log_prob_max_token_len=(arr.ref.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu) * ref_sp,
         old_logp_from_update=(actor.old_log_prob == "auto" and actor.ppo_epochs == 1
                               and actor.ppo_mini_batch_size == d.train_batch_size and not alg.use_kl_in_reward
-                              and not rollout_correction_on(cfg)),
+                              and not rollout_correction_on(cfg) and not actor.calculate_sum_pi_squared),
         max_token_len=actor.ppo_max_token_len_per_gpu * sp,
         critic_max_token_len=critic.ppo_max_token_len_per_gpu * critic_sp,
         sp=sp, ref_sp=ref_sp, critic_sp=critic_sp,

@@ -205,23 +205,34 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+def _linear_forward(hidden, weight, labels, temperature: float, rows: int, with_entropy: bool, stats: ChunkStats,
+                    onednn: bool, with_sum_pi_squared: bool = False):
+    """(logp, lse, entropy or an empty tensor, sum_v pi_v^2 or an empty tensor), each (N,) fp32, over the chunks of
+    logits = hidden @ weight.T / temperature. sum_v pi_v^2 = exp(logsumexp(2 z) - 2 lse), from the same chunk."""
+    n = hidden.shape[0]
+    logp = hidden.new_empty(n, dtype=torch.float32)
+    lse = torch.empty_like(logp)
+    entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+    sum_sq = torch.empty_like(logp) if with_sum_pi_squared else logp.new_empty(0)
+    for s in range(0, n, rows):
+        z = _tempered(mm_nt(hidden[s : s + rows], weight, onednn=onednn), temperature, writable=False,
+                      owned=True)  # (rows, V)
+        lp, ls, ent = stats(z, labels[s : s + rows], with_entropy)
+        logp[s : s + rows], lse[s : s + rows] = lp, ls
+        if with_entropy:
+            entropy[s : s + rows] = ent
+        if with_sum_pi_squared:
+            sum_sq[s : s + rows] = torch.exp(torch.logsumexp(z.mul_(2.0), dim=-1) - 2.0 * ls)  # z is ours: doubled in place
+    return logp, lse, entropy, sum_sq
+
+
 class _LinearLogprobs(torch.autograd.Function):
     """hidden (N, H), weight (V, H) -> (logp, entropy) over logits = hidden @ weight.T, chunk by chunk."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature: float, rows: int, with_entropy: bool, stats: ChunkStats,
                 onednn: bool):
-        n = hidden.shape[0]
-        logp = hidden.new_empty(n, dtype=torch.float32)
-        lse = torch.empty_like(logp)
-        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
-        for s in range(0, n, rows):
-            z = _tempered(mm_nt(hidden[s : s + rows], weight, onednn=onednn), temperature, writable=False,
-                          owned=True)  # (rows, V)
-            lp, ls, ent = stats(z, labels[s : s + rows], with_entropy)
-            logp[s : s + rows], lse[s : s + rows] = lp, ls
-            if with_entropy:
-                entropy[s : s + rows] = ent
+        logp, lse, entropy, _ = _linear_forward(hidden, weight, labels, temperature, rows, with_entropy, stats, onednn)
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.set_materialize_grads(False)  # an entropy kept out of the loss arrives as None: cheaper backward
         ctx.temperature, ctx.rows, ctx.with_entropy, ctx.onednn = temperature, rows, with_entropy, onednn
@@ -328,13 +339,16 @@ def linear_logprobs(
     with_entropy: bool = False,
     temperature: float = 1.0,
     onednn: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    with_sum_pi_squared: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Log-probs of labels under logits = hidden @ weight.T, never forming all logits at once.
 
     hidden (N, H) or (B, T, H), weight (V, H) (the lm_head weight, no bias), labels (N,) or (B, T).
     Returns fp32 logp shaped like labels, or (logp, entropy) with ``with_entropy``. Gradients flow
     to hidden and weight; backward recomputes each chunk's logits. ``onednn``: the chunk products go
     through :func:`grpo_npu.ops.linear.mm_nt` (oneDNN for fp32 CPU tensors, the same products otherwise).
+    ``with_sum_pi_squared`` (forward only: no gradient may be needed) appends sum_v pi_v^2 of each row's
+    tempered softmax, shaped like labels (verl's calculate_sum_pi_squared, for the optimal token baseline).
     """
     labels = _check_common(labels, temperature, chunk_size)
     if hidden.shape[:-1] != labels.shape or hidden.dim() not in (2, 3):
@@ -350,6 +364,13 @@ def linear_logprobs(
     hidden_rows = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     stats = _stats_for(hidden)
     labels_rows = labels.reshape(-1)
+    if with_sum_pi_squared:
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            raise ValueError("linear_logprobs: with_sum_pi_squared=True computes no gradient; call it under torch.no_grad()")
+        logp, _, entropy, sum_sq = _linear_forward(hidden_rows, weight, labels_rows, temperature, rows, with_entropy,
+                                                   stats, onednn, with_sum_pi_squared=True)
+        return (logp.view(labels.shape), *((entropy.view(labels.shape),) if with_entropy else ()),
+                sum_sq.view(labels.shape))
     logp, entropy = _LinearLogprobs.apply(hidden_rows, weight, labels_rows, temperature, rows, with_entropy, stats,
                                           onednn)
     logp = logp.view(labels.shape)

@@ -48,23 +48,25 @@ class Policy:
         if param_offload and dev.is_accelerator:
             fsdp.move_model(module, "cpu")
 
-    def forward(self, micro: RolloutBatch, with_entropy: bool):
-        """(logp (b, T), entropy (b, T) | None) for one trimmed micro-batch on the device."""
+    def forward(self, micro: RolloutBatch, with_entropy: bool, with_sum_pi_squared: bool = False):
+        """(logp (b, T), entropy (b, T) | None[, sum_pi_squared (b, T)]) for one trimmed micro-batch on the device."""
         inputs = build_inputs(micro.to(self.dev.torch_device()), self.remove_padding, self.share_prefix)
-        return self.module(inputs, self.temperature, with_entropy)
+        return self.module(inputs, self.temperature, with_entropy, with_sum_pi_squared)
 
     def log_probs(self, batch: RolloutBatch, *, micro_size: int | None, max_tokens: int | None,
-                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, T) float32 log-probs (and entropies) of this rank's rows, on the host. Collective."""
+                  with_entropy: bool, with_sum_pi_squared: bool = False) -> tuple[torch.Tensor | None, ...]:
+        """(B, T) float32 log-probs, entropies (or None) and, if asked, sum_v pi_v^2 of this rank's rows, on the host.
+        Collective."""
         self.module.eval()
         with params_on(self.module, self.dev, self.param_offload):
             def run(micro: RolloutBatch):
-                logp, entropy = self.forward(micro, with_entropy)
-                return (logp, entropy) if with_entropy else logp
+                return tuple(o for o in self.forward(micro, with_entropy, with_sum_pi_squared) if o is not None)
 
             outs = forward_in_micro_batches(run, batch, size=micro_size, max_tokens=max_tokens, dev=self.dev)
             fsdp.reshard_all(self.module)  # the root stays gathered after a forward without backward
-        return outs[0], (outs[1] if with_entropy else None)
+        logp = outs.pop(0)
+        entropy = outs.pop(0) if with_entropy else None
+        return (logp, entropy, outs.pop(0)) if with_sum_pi_squared else (logp, entropy)
 
 
     @torch.no_grad()
@@ -125,14 +127,17 @@ class Actor(Policy):
         )
 
     # -- old log-probs -------------------------------------------------------------------------
-    def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Old-policy log-probs (B, T) and ``actor/entropy`` (loss_agg_mode over all ranks' rows). Collective."""
+    def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
+        """Old-policy log-probs (B, T), ``actor/entropy`` (loss_agg_mode over all ranks' rows) and, with
+        ``actor.calculate_sum_pi_squared``, sum_v pi_v^2 (B, T) of each response token's distribution (else None).
+        Collective."""
         d = self.derived
-        logp, entropy = self.log_probs(
+        logp, entropy, *sum_sq = self.log_probs(
             batch, micro_size=d.log_prob_micro_batch_per_rank,
             max_tokens=d.log_prob_max_token_len if d.log_prob_use_dynamic_bsz else None, with_entropy=True,
+            with_sum_pi_squared=self.cfg.calculate_sum_pi_squared,
         )
-        return logp, {"actor/entropy": self._global_agg(entropy, batch.response_mask)}
+        return logp, {"actor/entropy": self._global_agg(entropy, batch.response_mask)}, (sum_sq[0] if sum_sq else None)
 
     def _global_agg(self, values: torch.Tensor, mask: torch.Tensor) -> float:
         """agg_loss of (B, T) values over all ranks' rows (this rank's share, normalised globally, summed)."""

@@ -261,7 +261,7 @@ class HybridWorker:
 
     # -- log-probs and values -----------------------------------------------------------------------
     @profiled("actor")
-    def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
         """Old-policy log-probs (B, T) of this rank's rows and the ``actor/entropy`` metric."""
         return self._need("actor").compute_log_prob(batch)
 

@@ -73,16 +73,21 @@ class ResponseModel(nn.Module):
 
 
 class CausalLMLogProbs(ResponseModel):
-    """forward -> (logp (b, T) fp32, entropy (b, T) fp32 or None) of the response tokens."""
+    """forward -> (logp (b, T) fp32, entropy (b, T) fp32 or None) of the response tokens; with
+    ``with_sum_pi_squared`` (no gradient) a third (b, T): sum_v pi_v^2 of each token's tempered distribution."""
 
-    def forward(self, inputs: ModelInputs, temperature: float, with_entropy: bool):
+    def forward(self, inputs: ModelInputs, temperature: float, with_entropy: bool, with_sum_pi_squared: bool = False):
         h, labels, gather = self.hidden_at_predictions(inputs)  # (n, H), (n,)
         weight = self.hf.get_output_embeddings().weight  # (V, H), gathered by the root's FSDP hook
         out = linear_logprobs(h, weight.to(h.dtype), labels, temperature=temperature, with_entropy=with_entropy,
-                              onednn=self.onednn_linear)
-        logp, entropy = gather(*out) if with_entropy else (*gather(out), None)  # (N,) each
+                              onednn=self.onednn_linear, with_sum_pi_squared=with_sum_pi_squared)
+        values = list(gather(*(out if isinstance(out, tuple) else (out,))))  # (N,) each: logp[, entropy][, sum_sq]
         valid = inputs.response_valid
-        return scatter_valid(logp, valid), (scatter_valid(entropy, valid) if with_entropy else None)
+        logp = scatter_valid(values.pop(0), valid)
+        entropy = scatter_valid(values.pop(0), valid) if with_entropy else None
+        if with_sum_pi_squared:
+            return logp, entropy, scatter_valid(values.pop(0), valid)
+        return logp, entropy
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(b, L, V) logits of the wrapped model's plain forward, gathered as for ``generate``: the transformers

@@ -277,6 +277,82 @@ def test_gdpo_normalises_each_component_before_the_sum():
     assert adv.gdpo_components([{"fmt": 1, "acc": 0.5}], ["acc", "fmt"]).tolist() == [[0.5], [1.0]]
 
 
+def ref_otb(rewards, mask, keys, logp, sum_sq, is_weights=None):
+    """Optimal token baseline, token by token: G_t reward-to-go, W_t = sum_{j<=t} (1 - 2 pi_j + sum pi^2)(rho_j^2),
+    B_t = sum_i G_it W_it / (sum_i W_it + 1e-8) over the group's valid tokens at t; groups of one B = 0; a group's
+    single longest response has B = 0 past the second longest length."""
+    rows, width = mask.shape
+    G = torch.zeros(rows, width, dtype=torch.float64)
+    W = torch.zeros(rows, width, dtype=torch.float64)
+    for i in range(rows):
+        acc = 0.0
+        for t in reversed(range(width)):
+            acc += float(rewards[i, t]) if mask[i, t] else 0.0
+            G[i, t] = acc
+        acc = 0.0
+        for t in range(width):
+            if mask[i, t]:
+                w = 1 - 2 * math.exp(float(logp[i, t])) + float(sum_sq[i, t])
+                acc += w * (float(is_weights[i, t]) ** 2 if is_weights is not None else 1.0)
+            W[i, t] = acc
+    out = torch.zeros(rows, width, dtype=torch.float64)
+    for members in _groups(keys).values():
+        lengths = {i: len(_valid_tokens(mask, i)) for i in members}
+        ranked = sorted(lengths.values(), reverse=True)
+        for i in members:
+            for t in _valid_tokens(mask, i):
+                base = 0.0
+                if len(members) > 1:
+                    num = sum(G[j, t] * W[j, t] for j in members if mask[j, t])
+                    den = sum(W[j, t] for j in members if mask[j, t]) + 1e-8
+                    base = num / den
+                    if lengths[i] == ranked[0] and ranked[0] > ranked[1] and t >= ranked[1]:
+                        base = 0.0
+                out[i, t] = G[i, t] - base
+    return out, G
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("holes", [False, True])
+def test_optimal_token_baseline_matches_reference(batch_kit, shape, seed, holes):
+    random_mask, random_groups = batch_kit
+    gen = torch.Generator().manual_seed(seed)
+    mask = random_mask(*shape, gen, holes=holes)
+    ids, keys = random_groups(shape[0], gen, KINDS[seed % 4])
+    rewards = torch.randn(shape, generator=gen)
+    logp = -3 * torch.rand(shape, generator=gen)
+    sum_sq = 0.01 + 0.5 * torch.rand(shape, generator=gen)
+    is_weights = 2 * torch.rand(shape, generator=gen) if seed % 2 else None
+    advantages, returns = adv.compute_advantage("optimal_token_baseline", token_level_rewards=rewards,
+                                                response_mask=mask, group_ids=ids, old_logp=logp,
+                                                sum_pi_squared=sum_sq, rollout_is_weights=is_weights)
+    expected, expected_returns = ref_otb(rewards, mask, keys, logp, sum_sq, is_weights)
+    torch.testing.assert_close(advantages.double(), expected, **TOL)
+    torch.testing.assert_close(returns.double() * mask, expected_returns * mask, **TOL)
+
+
+def test_optimal_token_baseline_weighs_by_the_path_variance_and_zeroes_the_longest_tail():
+    """Two responses, reward 1 and 0 on their last token. With equal w the baseline at t is the mean return over the
+    valid rows; the longer response's positions past the shorter's end get baseline 0 (its advantage is its return)."""
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    logp = torch.full((2, 4), math.log(0.5))
+    sum_sq = torch.full((2, 4), 0.5)  # w = 1 - 2 x 0.5 + 0.5 = 0.5: W_t = 0.5 (t + 1) for both
+    advantages, _ = adv.compute_advantage("optimal_token_baseline", token_level_rewards=rewards, response_mask=mask,
+                                          group_ids=["g", "g"], old_logp=logp, sum_pi_squared=sum_sq)
+    # t = 0, 1: both valid, equal W: B = (1 + 0) / 2; t = 2, 3: row 0 alone and past row 1's length: B = 0
+    torch.testing.assert_close(advantages, torch.tensor([[0.5, 0.5, 1.0, 1.0], [-0.5, -0.5, 0.0, 0.0]]))
+    heavier = sum_sq.clone()
+    heavier[0] = 2.5  # row 0's tokens carry more path variance (w = 2.5 against 0.5): the baseline leans to its return
+    advantages, _ = adv.compute_advantage("optimal_token_baseline", token_level_rewards=rewards, response_mask=mask,
+                                          group_ids=["g", "g"], old_logp=logp, sum_pi_squared=heavier)
+    torch.testing.assert_close(advantages[:, 0], torch.tensor([1 - 5 / 6, -5 / 6]))
+    with pytest.raises(ValueError, match="optimal_token_baseline needs sum_pi_squared, got None"):
+        adv.compute_advantage("optimal_token_baseline", token_level_rewards=rewards, response_mask=mask,
+                              group_ids=["g", "g"], old_logp=logp)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -366,7 +442,7 @@ def test_missing_inputs_and_unknown_names_are_clear_errors():
         adv.compute_advantage("grpo", token_level_rewards=rewards, response_mask=mask)
     with pytest.raises(ValueError, match="gae needs values"):
         adv.compute_advantage("gae", token_level_rewards=rewards, response_mask=mask)
-    with pytest.raises(ValueError, match="algorithm.adv_estimator.*'grpo_typo'.*known: gae, gdpo, gpg, grpo, reinforce_plus_plus"):
+    with pytest.raises(ValueError, match="algorithm.adv_estimator.*'grpo_typo'.*known: gae, gdpo, gpg, grpo, optimal_token_baseline, reinforce_plus_plus"):
         adv.get_advantage_fn("grpo_typo")
     with pytest.raises(ValueError, match="one key per response"):
         adv.grpo_advantage(rewards, mask, ["a"])

@@ -118,6 +118,33 @@ def test_linear_logprobs_match_naive_forward_backward(branch, with_entropy, hidd
         torch.testing.assert_close(got, want.float())
 
 
+@pytest.mark.parametrize("branch", BRANCHES)
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("hidden_shape,temperature,chunk", [((9, 16), 1.0, 4), ((2, 3, 16), 0.6, 1), ((5, 16), 1.3, None)])
+def test_linear_logprobs_sum_pi_squared_matches_the_full_softmax(branch, with_entropy, hidden_shape, temperature, chunk,
+                                                                 request):
+    """sum_v pi_v^2 of each row's tempered softmax (verl's calculate_sum_pi_squared) from the same chunks as logp and
+    entropy, which it leaves unchanged; forward only."""
+    request.getfixturevalue(branch)
+    vocab = 37
+    hidden, weight = torch.randn(hidden_shape), 2 * torch.randn(vocab, hidden_shape[-1])
+    labels = torch.randint(0, vocab, hidden_shape[:-1])
+    with torch.no_grad():
+        out = op.linear_logprobs(hidden, weight, labels, chunk_size=chunk, with_entropy=with_entropy,
+                                 temperature=temperature, with_sum_pi_squared=True)
+    assert len(out) == (3 if with_entropy else 2)
+    logits = hidden.double() @ weight.double().t()
+    want_logp, want_ent = _naive(logits, labels, temperature)
+    torch.testing.assert_close(out[0], want_logp.float())
+    if with_entropy:
+        torch.testing.assert_close(out[1], want_ent.float())
+    want_sq = torch.softmax(logits / temperature, dim=-1).square().sum(-1)
+    torch.testing.assert_close(out[-1], want_sq.float())
+    assert out[-1].shape == labels.shape and bool((out[-1] > 0).all() and (out[-1] <= 1).all())
+    with pytest.raises(ValueError, match=r"with_sum_pi_squared=True computes no gradient; call it under torch\.no_grad"):
+        op.linear_logprobs(hidden.requires_grad_(), weight, labels, with_sum_pi_squared=True)
+
+
 def test_linear_logprobs_bf16_and_frozen_weight(reference_backend):
     hidden = torch.randn(6, 32, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(50, 32, dtype=torch.bfloat16)  # e.g. a reference model: no weight grad wanted

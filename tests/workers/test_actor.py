@@ -221,7 +221,7 @@ def test_reference_is_built_only_with_a_kl_term(tiny_model_path, monkeypatch):
         assert worker.ref is not None and builds == [True, False]
         batch = make_batch(seed=6)
         ref = worker.compute_ref_log_prob(batch)
-        old, _ = worker.compute_log_prob(batch)
+        old, _, _ = worker.compute_log_prob(batch)
         torch.testing.assert_close(ref, old, atol=LOGP_ATOL, rtol=0)  # same checkpoint, same log-probs
         assert not any(p.requires_grad for p in worker.ref.module.parameters())
 
@@ -229,7 +229,7 @@ def test_reference_is_built_only_with_a_kl_term(tiny_model_path, monkeypatch):
 def test_compute_log_prob_reports_entropy_and_validates(tiny_model_path):
     worker = make_worker(make_cfg(tiny_model_path))
     batch = make_batch(seed=7)
-    logp, metrics = worker.compute_log_prob(batch)
+    logp, metrics, _ = worker.compute_log_prob(batch)
     _, entropy, _ = _reference_logp(tiny_model_path, batch)
     mask = batch.response_mask.bool()
     assert metrics["actor/entropy"] == pytest.approx(float(entropy[mask].mean()), rel=1e-5)
@@ -243,6 +243,31 @@ def test_compute_log_prob_reports_entropy_and_validates(tiny_model_path):
         worker.compute_log_prob(holey)
     with pytest.raises(ValueError, match="needs advantages"):
         worker.update_actor(batch.replace(advantages=None))
+
+
+@pytest.mark.parametrize("remove_padding", [False, True])
+def test_sum_pi_squared_of_the_old_log_prob_pass_matches_the_full_softmax(tiny_model_path, remove_padding):
+    """actor.calculate_sum_pi_squared: the old-log-prob pass also returns sum_v pi(v)^2 of each response token's
+    tempered distribution (the plain HF model's, float64, written here), 0 off the mask, and leaves the log-probs and
+    actor/entropy as without it; the old log-probs are then never taken from the update."""
+    batch = make_batch(seed=9)
+    extra = (f"actor_rollout_ref.model.use_remove_padding={remove_padding}", "actor_rollout_ref.rollout.temperature=0.7",
+             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3")
+    plain = make_worker(make_cfg(tiny_model_path, *extra))
+    logp_0, metrics_0, none = plain.compute_log_prob(batch)
+    assert none is None
+    worker = make_worker(make_cfg(tiny_model_path, *extra, "actor_rollout_ref.actor.calculate_sum_pi_squared=True"))
+    assert not worker.derived.old_logp_from_update
+    logp, metrics, sum_sq = worker.compute_log_prob(batch)
+    torch.testing.assert_close(logp, logp_0, atol=0, rtol=0)
+    assert metrics == metrics_0
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation="eager")
+    p = batch.prompt_ids.shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                       use_cache=False).logits[:, p - 1 : -1].double()  # (B, T, V)
+    want = torch.softmax(logits / 0.7, dim=-1).square().sum(-1) * batch.response_mask
+    torch.testing.assert_close(sum_sq.double(), want, atol=1e-5, rtol=1e-4)
 
 
 def test_on_policy_update_reuses_its_forward_as_old_log_probs(tiny_model_path):
@@ -265,7 +290,7 @@ def test_on_policy_update_reuses_its_forward_as_old_log_probs(tiny_model_path):
         if mode == "recompute":
             with pytest.raises(ValueError, match="needs old_logp"):
                 worker.update_actor(batch)
-            old_logp, metrics = worker.compute_log_prob(batch)
+            old_logp, metrics, _ = worker.compute_log_prob(batch)
             metrics.update(worker.update_actor(batch.replace(old_logp=old_logp)))
             metrics.update(logp_diff_metrics(batch.rollout_logp, old_logp, mask))
         else:

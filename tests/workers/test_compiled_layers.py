@@ -70,7 +70,7 @@ def test_compiled_worker_equals_eager_and_decoding_stays_eager(tiny_model_path):
         for policy in (worker.actor, worker.ref):
             assert all(compiled_layers.compiled(layer) for layer in fsdp.decoder_layers(policy.module.hf)) is on
         calls = _count_compiled_calls(worker.actor.module.hf)
-        old, _ = worker.actor.compute_log_prob(batch)
+        old, _, _ = worker.actor.compute_log_prob(batch)
         ref = worker.compute_ref_log_prob(batch)
         metrics = worker.update_actor(batch.replace(old_logp=old))
         runs[on] = (old, ref, metrics, full_weights(worker.actor.module.hf))

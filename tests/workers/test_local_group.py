@@ -24,7 +24,7 @@ def test_generate_then_log_probs_agree_with_engine(tiny_model_path):
         assert out.response_ids.shape[0] == 8 and out.response_ids.shape[1] <= 6
         batch = RolloutBatch(prompts.prompt_ids.repeat_interleave(2, 0), prompts.prompt_mask.repeat_interleave(2, 0),
                              out.response_ids, out.response_mask)
-        (logp, metrics), = group.chunk_and_call("compute_log_prob", batch)
+        (logp, metrics, _), = group.chunk_and_call("compute_log_prob", batch)
         mask = batch.response_mask.bool()
         torch.testing.assert_close(logp[mask], out.logprobs[mask].float(), atol=1e-4, rtol=0)
         assert metrics["actor/entropy"] > 0
@@ -59,10 +59,10 @@ def test_vllm_engine_receives_the_actors_weights(tiny_model_path, lora):
             (out,) = group.call("generate", prompts.prompt_ids, prompts.prompt_mask, sampling)
             batch = RolloutBatch(prompts.prompt_ids.repeat_interleave(2, 0), prompts.prompt_mask.repeat_interleave(2, 0),
                                  out.response_ids, out.response_mask)
-            (logp, _), = group.chunk_and_call("compute_log_prob", batch)
+            (logp, _, _), = group.chunk_and_call("compute_log_prob", batch)
             mask = batch.response_mask.bool()
             torch.testing.assert_close(logp[mask], out.logprobs[mask].float(), atol=1e-4, rtol=0)
             advantages = torch.linspace(-1, 1, 8)[:, None] * batch.response_mask
             (metrics,) = group.chunk_and_call("update_actor", batch.replace(old_logp=logp, advantages=advantages))
-            (moved, _), = group.chunk_and_call("compute_log_prob", batch)
+            (moved, _, _), = group.chunk_and_call("compute_log_prob", batch)
             assert float((moved - logp)[mask].abs().max()) > 1e-2  # so a stale engine would fail the next check

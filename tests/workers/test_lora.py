@@ -30,7 +30,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def _trained(worker, seed: int):
     """One actor update on a batch whose old log-probs are the actor's own (so the step is not trivial)."""
     batch = make_batch(seed=seed)
-    old, _ = worker.compute_log_prob(batch)
+    old, _, _ = worker.compute_log_prob(batch)
     worker.update_actor(batch.replace(old_logp=old, ref_logp=worker.compute_ref_log_prob(batch)
                                       if worker.ref is not None else None))
     return batch
@@ -59,11 +59,11 @@ def test_only_adapters_train_and_the_reference_is_the_base_model(tiny_model_path
 
     batch = make_batch(seed=3)
     expected, _, _ = _reference_logp(tiny_model_path, batch)  # the checkpoint, no adapters
-    actor_0, _ = worker.compute_log_prob(batch)
+    actor_0, _, _ = worker.compute_log_prob(batch)
     torch.testing.assert_close(actor_0, expected.float(), atol=LOGP_ATOL, rtol=0)  # B = 0: adapted == base at start
     for seed in (4, 5):
         _trained(worker, seed)
-    actor_2, _ = worker.compute_log_prob(batch)
+    actor_2, _, _ = worker.compute_log_prob(batch)
     assert (actor_2 - actor_0).abs().max() > 1e-3  # the adapters moved the policy
     ref_2 = worker.compute_ref_log_prob(batch)
     torch.testing.assert_close(ref_2, expected.float(), atol=LOGP_ATOL, rtol=0)  # ...and the reference did not
@@ -111,7 +111,7 @@ def test_merged_weights_adapter_export_and_merged_export(tiny_model_path, tmp_pa
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
     assert max_abs_diff(reloaded.state_dict(), merged) == 0.0
     expected, _, _ = _reference_logp(str(tmp_path / "hf"), batch)
-    actor, _ = worker.compute_log_prob(batch)
+    actor, _, _ = worker.compute_log_prob(batch)
     torch.testing.assert_close(actor, expected.float(), atol=LOGP_ATOL, rtol=0)
 
 
@@ -146,11 +146,11 @@ def test_lora_checkpoint_resume_equals_uninterrupted(tiny_model_path, tmp_path):
     assert (tmp_path / "actor" / lora.ADAPTER_DIR / lora.ADAPTER_FILE).is_file()
     assert (tmp_path / "actor" / "huggingface" / "model.safetensors").is_file()  # hf_model: merged weights
     batch = make_batch(seed=10)
-    old, _ = a.compute_log_prob(batch)
+    old, _, _ = a.compute_log_prob(batch)
     m_a = a.update_actor(batch.replace(old_logp=old))
     b = make_worker(cfg)
     assert b.load_checkpoint(str(tmp_path)) == 1
-    old_b, _ = b.compute_log_prob(batch)
+    old_b, _, _ = b.compute_log_prob(batch)
     assert torch.equal(old_b, old)
     m_b = b.update_actor(batch.replace(old_logp=old_b))
     assert m_b["actor/lr"] == m_a["actor/lr"] > 0 and m_b["actor/pg_loss"] == m_a["actor/pg_loss"]

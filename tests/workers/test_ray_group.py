@@ -76,7 +76,7 @@ def test_two_ranks_equal_one_rank(groups, tiny_model_path, tmp_path):
     assert [o.response_ids.shape[0] for o in outs] == [4, 4]
 
     # forward passes
-    (logp_1, metrics_1), = local.chunk_and_call("compute_log_prob", batch)
+    (logp_1, metrics_1, _), = local.chunk_and_call("compute_log_prob", batch)
     results_2 = ray_group.chunk_and_call("compute_log_prob", batch)
     torch.testing.assert_close(_cat(results_2), logp_1, atol=ATOL, rtol=0)
     assert results_2[0][1]["actor/entropy"] == results_2[1][1]["actor/entropy"]

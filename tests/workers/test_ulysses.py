@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism: two gloo ranks of one sequence-parallel group == one rank without it.
 
 Both ranks get the same 8 rows, as the driver's RankGroups gives them; each runs half of every packed
-micro-batch's tokens (the odd token counts take the padding segment). Old-policy, reference and value passes, an
+micro-batch's tokens (the odd token counts take the padding segment). Old-policy (with sum pi^2), reference and value passes, an
 actor update (PPO clip + low_var_kl KL loss + entropy bonus) and a critic update must give what one rank gives on
 the whole batch: the same log-probs, values, loss metrics, gradient norms and, after the updates, the same
 weights. The actor update is run once with fixed micro-batches and once packed to a token budget.
@@ -25,7 +25,8 @@ ATOL = 2e-5  # fp32: the same sums split over two ranks and re-added in another 
 KEYS = ("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=True",
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0.01",
         "actor_rollout_ref.model.use_remove_padding=True", "critic.model.use_remove_padding=True",
-        "critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.model.enable_gradient_checkpointing=True")
+        "critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        "actor_rollout_ref.actor.calculate_sum_pi_squared=True")
 SP = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "critic.ulysses_sequence_parallel_size=2")
 PACKED = ("actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24")
 
@@ -34,15 +35,15 @@ def _run(worker, dynamic: bool) -> dict:
     """Every pass and both updates on the whole test batch; what the comparison reads."""
     batch = make_batch(seed=41)
     mask = batch.response_mask
-    old, entropy = worker.compute_log_prob(batch)
+    old, entropy, sum_sq = worker.compute_log_prob(batch)
     ref = worker.compute_ref_log_prob(batch)
     values = worker.compute_values(batch)
     returns = (torch.linspace(-1, 1, mask.shape[1]) * mask).contiguous()
     train = batch.replace(old_logp=old, ref_logp=ref - 0.05 * mask, values=values, returns=returns)
     actor = worker.update_actor(train)
     critic = worker.update_critic(train)
-    after, _ = worker.compute_log_prob(batch)
-    return {"old": old, "entropy": entropy, "ref": ref, "values": values, "actor": actor, "critic": critic,
+    after, _, _ = worker.compute_log_prob(batch)
+    return {"old": old, "entropy": entropy, "sum_sq": sum_sq, "ref": ref, "values": values, "actor": actor, "critic": critic,
             "after": after, "values_after": worker.compute_values(batch), "dynamic": dynamic,
             "actor_weights": full_weights(worker.actor.module), "critic_weights": full_weights(worker.critic.module)}
 
@@ -76,7 +77,7 @@ def test_two_sequence_parallel_ranks_equal_one_rank(tiny_model_path, tmp_path, d
     start_process_group()
     one = _run(make_worker(make_cfg(tiny_model_path, *KEYS, *(PACKED if dynamic else ()))), dynamic)
     for got in two:  # every rank of the group holds the whole answer
-        for key in ("old", "ref", "values", "after", "values_after"):
+        for key in ("old", "sum_sq", "ref", "values", "after", "values_after"):
             torch.testing.assert_close(got[key], one[key], atol=ATOL, rtol=0, msg=key)
         assert got["entropy"]["actor/entropy"] == pytest.approx(one["entropy"]["actor/entropy"], abs=ATOL)
         for role in ("actor", "critic"):
