@@ -557,6 +557,10 @@ def test_verl_091_critic_engine_block_and_checkpoint_and_worker_keys():
     with pytest.raises(ConfigError, match=r"^not supported by grpo_npu: trainer\.use_legacy_worker_impl=v2 .*supported "
                                           r"values: auto, disable, enable$"):
         load_config(BASE + ["trainer.use_legacy_worker_impl=v2"])
+    ep = "actor_rollout_ref.rollout.expert_parallel_size"
+    assert load_config(BASE + ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", f"{ep}=2"]).actor_rollout_ref.rollout.expert_parallel_size == 2
+    with pytest.raises(ConfigError, match=rf"^{ep}=4: expected 1 or tensor_model_parallel_size=2 "):
+        load_config(BASE + ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", f"{ep}=4"])
     sizes = "actor_rollout_ref.rollout.cudagraph_capture_sizes"
     assert load_config(BASE + [f"{sizes}=[8, 16]"]).actor_rollout_ref.rollout.cudagraph_capture_sizes == (8, 16)
     for extra, message in ((["actor_rollout_ref.rollout.enforce_eager=True"], r"\[8\] with enforce_eager=True: an eager "

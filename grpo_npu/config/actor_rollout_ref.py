@@ -314,6 +314,8 @@ class RolloutConfig:
     """How the engine loads weights; dummy* means random, then synced from the actor."""
     tensor_model_parallel_size: int = 2
     """Tensor parallel size of the engine."""
+    expert_parallel_size: int = 1
+    """Expert parallelism of the engine's MoE layers: 1 (off) or tensor_model_parallel_size (vLLM's enable_expert_parallel: the experts split over the tensor-parallel ranks instead of each expert's weights; a dense model has none)."""
     max_num_batched_tokens: int = 8192
     """vLLM scheduler token budget per step."""
     max_model_len: Optional[int] = None

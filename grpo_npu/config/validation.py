@@ -20,7 +20,8 @@ from grpo_npu.errors import ConfigError
 # actor_rollout_ref.rollout settings only the vLLM engine reads (grpo_npu/rollout/vllm_settings.py and its callers).
 VLLM_ONLY = ("gpu_memory_utilization", "enforce_eager", "free_cache_engine", "enable_sleep_mode", "sleep_level",
              "load_format", "tensor_model_parallel_size", "max_num_batched_tokens", "max_model_len", "max_num_seqs",
-             "enable_chunked_prefill", "enable_prefix_caching", "disable_log_stats", "cudagraph_capture_sizes")
+             "enable_chunked_prefill", "enable_prefix_caching", "disable_log_stats", "cudagraph_capture_sizes",
+             "expert_parallel_size")
 
 
 def _settings(obj: Any, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, tuple]]:
@@ -121,6 +122,10 @@ def validate(cfg: Config) -> None:
     require(rollout.name != "hf" or rollout.dtype == "auto",
             f"actor_rollout_ref.rollout.dtype={rollout.dtype} with rollout.name=hf: that rollout generates with the "
             "actor's module in the actor's compute dtype (fsdp_config.mixed_precision.param_dtype); leave it auto")
+    require(rollout.expert_parallel_size in (1, rollout.tensor_model_parallel_size),
+            f"actor_rollout_ref.rollout.expert_parallel_size={rollout.expert_parallel_size}: expected 1 or "
+            f"tensor_model_parallel_size={rollout.tensor_model_parallel_size} (verl's rule: tensor x data parallel size, "
+            "and grpo_npu's engine has data parallel size 1)")
     sizes = rollout.cudagraph_capture_sizes
     require(sizes is None or (len(sizes) > 0 and all(isinstance(n, int) and n > 0 for n in sizes)),
             f"actor_rollout_ref.rollout.cudagraph_capture_sizes={list(sizes or ())}: expected a list of positive batch sizes")

@@ -197,6 +197,8 @@ def vllm_engine_kwargs(
         kwargs["logprobs_mode"] = LOGPROBS_MODE
     if tp > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
+    if cfg.expert_parallel_size > 1:  # = tp (config validation): the MoE experts split over the tensor-parallel ranks
+        kwargs["enable_expert_parallel"] = True
     if device_kind == "cpu":
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         kwargs["block_size"] = CPU_BLOCK_SIZE

@@ -124,6 +124,8 @@ def test_engine_kwargs_on_accelerators_use_external_launcher_for_tp():
     assert kw["dtype"] == "bfloat16" and kw["gpu_memory_utilization"] == 0.6 and kw["enable_sleep_mode"] is True
     assert "kv_cache_memory_bytes" not in kw and "block_size" not in kw  # the engine's own choice there
     assert "distributed_executor_backend" not in _kwargs("cuda", tensor_model_parallel_size=1)
+    assert "enable_expert_parallel" not in kw  # expert_parallel_size=1
+    assert _kwargs("npu", torch.bfloat16, tensor_model_parallel_size=4, expert_parallel_size=4)["enable_expert_parallel"]
 
 
 @pytest.mark.parametrize("device_kind, auto", [("cpu", True), ("npu", True), ("cuda", False)])
