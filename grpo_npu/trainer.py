@@ -277,7 +277,9 @@ class Trainer:
             order = balance_order((batch.prompt_lengths + batch.response_lengths).tolist(), self.world_size)
             batch = batch.select(order)
         metrics: dict[str, float] = {}
-        if not self.old_logp_from_update(step):
+        if self.derived.old_logp_from_rollout:  # rollout correction's bypass mode
+            batch = batch.replace(old_logp=batch.rollout_logp)
+        elif not self.old_logp_from_update(step):
             with timer("old_log_prob"):
                 old_logp, metrics, sum_sq = self.workers.compute_log_prob(batch)
                 batch = batch.replace(old_logp=old_logp, sum_pi_squared=sum_sq)
@@ -311,7 +313,7 @@ class Trainer:
         if step > self.cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 metrics.update(self.workers.update_actor(batch))
-        if batch.rollout_logp is not None and not self.old_logp_from_update(step):  # else the update reported them
+        if batch.rollout_logp is not None and not (self.old_logp_from_update(step) or self.derived.old_logp_from_rollout):
             metrics.update(logp_diff_metrics(batch.rollout_logp, batch.old_logp, batch.response_mask))
         if batch.sum_pi_squared is not None:  # actor.calculate_sum_pi_squared
             metrics.update(variance_proxy_metrics(batch, metrics.get("actor/grad_norm")))

@@ -58,10 +58,27 @@ def test_thresholds_parse_from_the_command_line():
     ([f"{KEY}.rollout_rs=token_k2", f"{KEY}.rollout_rs_threshold=0.5_2"], r"token_k2 needs one upper bound"),
     ([f"{KEY}.rollout_rs_threshold=2.0"], r"rollout_rs_threshold='2.0' needs algorithm\.rollout_correction\.rollout_rs"),
     ([f"{KEY}.rollout_is_batch_normalize=True"], r"rollout_is_batch_normalize=True needs"),
-    ([f"{KEY}.bypass_mode=True"], r"not supported by grpo_npu: algorithm\.rollout_correction\.bypass_mode=True "
-                                  r"\(rollout correction's bypass mode"),
-    ([f"{KEY}.loss_type=reinforce"], r"loss_type=reinforce \(a bypass-mode loss other than ppo_clip\); supported values: ppo_clip"),
+    ([f"{KEY}.loss_type=reinforce"], r"^algorithm\.rollout_correction\.loss_type=reinforce is the bypass mode's loss: "
+                                     r"set algorithm\.rollout_correction\.bypass_mode=True"),
+    ([f"{KEY}.loss_type=pg"], r"loss_type='pg' is not accepted; choose one of: ppo_clip, reinforce"),
+    ([f"{KEY}.bypass_mode=True", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"],
+     r"^algorithm\.rollout_correction\.bypass_mode=True replaces the policy loss with algorithm\.rollout_correction\."
+     r"loss_type=ppo_clip \(as verl does\); actor_rollout_ref\.actor\.policy_loss\.loss_mode=gspo would not be used"),
+    ([f"{KEY}.bypass_mode=True", "actor_rollout_ref.actor.old_log_prob=recompute"], r"bypass_mode=True skips the "
+                                                                                    r"old-log-prob pass that"),
+    ([f"{KEY}.bypass_mode=True", "actor_rollout_ref.actor.calculate_sum_pi_squared=True"], r"bypass_mode=True skips "
+                                                                                           r"the old-log-prob pass, which"),
 ])
 def test_refused_values_name_the_key(extra, message):
     with pytest.raises(ConfigError, match=message):
         load_config(BASE + [LOGPROBS] + extra)
+
+
+def test_bypass_mode_takes_the_engines_log_probs_as_the_old_ones():
+    with pytest.raises(ConfigError, match=r"^algorithm\.rollout_correction\.bypass_mode=True takes the engine's "
+                                          r"log-probs as the old policy: set actor_rollout_ref\.rollout\.calculate_log_probs"):
+        load_config(BASE + [f"{KEY}.bypass_mode=True"])
+    for extra in ([], [f"{KEY}.loss_type=reinforce", f"{KEY}.rollout_is=sequence", f"{KEY}.rollout_is_batch_normalize=True"]):
+        d = derive(load_config(BASE + [LOGPROBS, f"{KEY}.bypass_mode=True", *extra]), 1)
+        assert d.old_logp_from_rollout and not d.old_logp_from_update  # neither a pass nor the update's forward
+    assert not derive(load_config(BASE + [LOGPROBS]), 1).old_logp_from_rollout

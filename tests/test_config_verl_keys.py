@@ -83,7 +83,6 @@ def test_second_homes_act():
     ("actor_rollout_ref.actor.strategy", "megatron", "training backend"),
     ("actor_rollout_ref.actor.fsdp_config.turbo_config.distributed.ulysses_parallel_size", "2", "fsdp_turbo"),
     ("model_engine", "veomni", "model engine"),
-    ("algorithm.rollout_correction.bypass_mode", "True", "bypass mode"),
     ("+algorithm.rollout_correction.rollout_token_veto_threshold", "0.1", "rollout correction"),
 ])
 def test_whole_features_are_refused_naming_the_feature(key, value, feature):

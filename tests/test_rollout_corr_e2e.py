@@ -62,3 +62,26 @@ def test_rejection_that_drops_every_token_gives_zero_loss_and_gradient(tiny_mode
     ))
     assert last["rollout_corr/rollout_rs_masked_fraction"] == 1.0
     assert last["actor/pg_loss"] == 0.0 and last["actor/grad_norm"] == 0.0
+
+
+@pytest.mark.parametrize("loss_type", ["reinforce", "ppo_clip"])
+def test_bypass_mode_trains_on_the_engines_log_probs(tiny_model_path, task, score_file, tmp_path, loss_type):
+    """verl's examples/rollout_correction shape (RLOO, sequence IS, batch-normalised, bypass): no old-log-prob pass,
+    the correction measured in the update (rollout_corr/* there, the decoupled mode's driver metrics absent)."""
+    run_dir = tmp_path / f"bypass_{loss_type}"
+    last = run(overrides(
+        tiny_model_path, task, run_dir,
+        "algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.name=hf",
+        "actor_rollout_ref.rollout.calculate_log_probs=True", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        f"{KEY}.rollout_is=sequence", f"{KEY}.rollout_is_threshold=2.0", f"{KEY}.rollout_is_batch_normalize=True",
+        f"{KEY}.bypass_mode=True", f"{KEY}.loss_type={loss_type}",
+        "actor_rollout_ref.actor.checkpoint.save_contents=['model','optimizer','extra','hf_model']",
+        f"custom_reward_function.path={score_file}",
+    ))
+    assert "timing_s/old_log_prob" not in last and "actor/entropy" not in last  # no old-log-prob pass
+    assert "training/rollout_probs_diff_mean" not in last and "rollout/logp_diff_max" not in last
+    # the same fp32 weights in engine and actor: on the first mini-batch of a step the policy is the engine's
+    assert last["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=0.1)
+    assert abs(last["rollout_corr/kl"]) < 0.1 and "rollout_corr/rollout_is_batch_norm_factor" in last
+    assert ("actor/pg_clipfrac" in last) == (loss_type == "ppo_clip")
+    assert_trained(tiny_model_path, run_dir, steps=2)

@@ -34,6 +34,8 @@ POLICY_LOSS_READS = {
     "dppo_kl": (*_CLIP, "clip_ratio_c"),
     "geo_mean": _CLIP,
 }
+# algorithm.rollout_correction.loss_type: the bypass mode's losses (rollout_corr.bypass_policy_loss)
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 # actor.loss_agg_mode (and critic.loss_agg_mode): losses.agg_loss
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # algorithm.filter_groups.metric: the per-response value whose std within a group DAPO's

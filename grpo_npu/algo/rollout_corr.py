@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from grpo_npu.algo.losses import agg_loss, ppo_clip_loss
 from grpo_npu.algo.masked import acc_dtype, masked_mean, masked_sum
 from grpo_npu.algo.names import ROLLOUT_IS_LEVELS, parse_rollout_rs
 from grpo_npu.batch import RolloutBatch
@@ -306,23 +307,66 @@ def compute_rollout_correction(
     return weights, loss_mask, {f"rollout_corr/{k}": float(v) for k, v in metrics.items()}
 
 
+def _correction_settings(cfg: RolloutCorrectionConfig) -> dict:
+    rs = parse_rollout_rs(cfg.rollout_rs, cfg.rollout_rs_threshold) if cfg.rollout_rs is not None else ()
+    return dict(rollout_is=cfg.rollout_is, rollout_is_threshold=cfg.rollout_is_threshold,
+                rollout_is_batch_normalize=cfg.rollout_is_batch_normalize, rs_options=rs)
+
+
+def bypass_metric_names(cfg: RolloutCorrectionConfig) -> tuple[str, ...]:
+    """The ``rollout_corr/*`` names :func:`bypass_policy_loss` reports under ``cfg`` (they depend on the config only)."""
+    one = torch.zeros(1, 1)
+    return tuple(compute_rollout_correction(one, one, torch.ones(1, 1), **_correction_settings(cfg))[2])
+
+
+def bypass_policy_loss(
+    logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    cfg: RolloutCorrectionConfig, *, clip_low: float, clip_high: float, clip_c: float, agg_mode: str, **agg_kwargs,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float] | None]:
+    """verl's bypass mode on one micro-batch (0.9.1's compute_policy_loss_bypass_mode): the rollout log-probs are the
+    old policy, and the correction is computed here from the policy being trained.
+
+    IS weights min(pi_theta / pi_rollout, threshold) and the rejection mask come from the current ``logp``
+    (detached), per micro-batch (``rollout_is_batch_normalize`` divides by this micro-batch's mean, as verl's does).
+    ``loss_type=ppo_clip``: the PPO clipped loss with ratio pi_theta / pi_rollout over the tokens rejection keeps,
+    without IS weights (the ratio is the correction); ``reinforce``: -A w log pi_theta aggregated over those tokens,
+    w the IS weights (1 without ``rollout_is``), with ``ppo_kl`` = mean(rollout_logp - logp). Returns (loss, the loss
+    mode's token-mean metrics, ``rollout_corr/*`` floats or None for a micro-batch without valid tokens).
+    """
+    weights, loss_mask, corr = None, mask, None
+    if mask.bool().any():
+        weights, loss_mask, corr = compute_rollout_correction(logp.detach(), rollout_logp, mask,
+                                                              **_correction_settings(cfg))
+    if cfg.loss_type == "ppo_clip":
+        loss, metrics = ppo_clip_loss(logp, rollout_logp, advantages, loss_mask, clip_low=clip_low, clip_high=clip_high,
+                                      clip_c=clip_c, agg_mode=agg_mode, **agg_kwargs)
+        return loss, metrics, corr
+    dtype = acc_dtype(logp)
+    per_token = -advantages.to(dtype) * logp.to(dtype)  # (b, T)
+    if weights is not None:
+        per_token = per_token * weights.to(dtype)
+    loss = agg_loss(per_token, loss_mask, agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {"ppo_kl": masked_mean(rollout_logp.to(dtype) - logp.to(dtype), loss_mask)}
+    return loss, metrics, corr
+
+
 def correct_batch(batch: RolloutBatch, cfg: RolloutCorrectionConfig, metrics: dict[str, float]) -> RolloutBatch:
-    """Apply ``algorithm.rollout_correction`` ``cfg`` to a batch with rollout and old log-probs (driver, once a step).
+    """Apply ``algorithm.rollout_correction`` ``cfg`` to a batch with rollout and old log-probs (driver, once a step;
+    in bypass mode the actor corrects each micro-batch instead and the batch is returned unchanged).
 
     Sets ``rollout_is_weights`` (when ``rollout_is`` is set) and ``loss_mask`` (when ``rollout_rs`` is set) and
     adds ``rollout_corr/*`` and ``training/rollout_probs_diff_*`` to ``metrics``. A batch without rollout
     log-probs (``rollout.calculate_log_probs=False``) or without old log-probs (they come from the update,
     which the config allows only with IS and RS off) is returned unchanged, with no metrics.
     """
-    if batch.rollout_logp is None or batch.old_logp is None or not batch.response_mask.bool().any():
+    if (cfg.bypass_mode or batch.rollout_logp is None or batch.old_logp is None
+            or not batch.response_mask.bool().any()):  # bypass: the actor corrects each micro-batch
         return batch
-    rs = parse_rollout_rs(cfg.rollout_rs, cfg.rollout_rs_threshold) if cfg.rollout_rs is not None else ()
-    weights, loss_mask, corr_metrics = compute_rollout_correction(
-        batch.old_logp, batch.rollout_logp, batch.response_mask, rollout_is=cfg.rollout_is,
-        rollout_is_threshold=cfg.rollout_is_threshold, rollout_is_batch_normalize=cfg.rollout_is_batch_normalize,
-        rs_options=rs,
-    )
+    settings = _correction_settings(cfg)
+    weights, loss_mask, corr_metrics = compute_rollout_correction(batch.old_logp, batch.rollout_logp,
+                                                                  batch.response_mask, **settings)
     metrics.update(corr_metrics)
     metrics.update({k: float(v) for k, v in probs_diff_metrics(batch.old_logp, batch.rollout_logp,
                                                                 batch.response_mask).items()})
-    return batch.replace(rollout_is_weights=weights, loss_mask=loss_mask if rs else None)
+    return batch.replace(rollout_is_weights=weights, loss_mask=loss_mask if settings["rs_options"] else None)

@@ -47,6 +47,7 @@ class Derived:
     ref_log_prob_use_dynamic_bsz: bool
     ref_log_prob_max_token_len: int
     old_logp_from_update: bool = False  # old log-probs come from the update's forward (actor.old_log_prob=auto, no rollout correction)
+    old_logp_from_rollout: bool = False  # the engine's log-probs are the old ones (algorithm.rollout_correction.bypass_mode)
     max_token_len: int = 0  # the actor update's micro-batch token budget: ppo_max_token_len_per_gpu x sp (a group's)
     critic_max_token_len: int = 0  # ... the critic update's
     sp: int = 1  # Ulysses sequence-parallel ranks of the actor (old log-probs, update): they share each micro-batch
@@ -160,7 +161,9 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
         ref_log_prob_max_token_len=(arr.ref.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu) * ref_sp,
         old_logp_from_update=(actor.old_log_prob == "auto" and actor.ppo_epochs == 1
                               and actor.ppo_mini_batch_size == d.train_batch_size and not alg.use_kl_in_reward
-                              and not rollout_correction_on(cfg) and not actor.calculate_sum_pi_squared),
+                              and not rollout_correction_on(cfg) and not actor.calculate_sum_pi_squared
+                              and not alg.rollout_correction.bypass_mode),
+        old_logp_from_rollout=alg.rollout_correction.bypass_mode,
         max_token_len=actor.ppo_max_token_len_per_gpu * sp,
         critic_max_token_len=critic.ppo_max_token_len_per_gpu * critic_sp,
         sp=sp, ref_sp=ref_sp, critic_sp=critic_sp,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from grpo_npu.algo.names import ADV_ESTIMATORS, KL_CTRL_TYPES, KL_TYPES
+from grpo_npu.algo.names import ADV_ESTIMATORS, BYPASS_LOSS_TYPES, KL_CTRL_TYPES, KL_TYPES
 from grpo_npu.config.actor_rollout_ref import ActorRolloutRefConfig, FSDPConfig, OptimConfig
 from grpo_npu.config.fields import choice, free_dict, many
 from grpo_npu.config.profiler import GlobalProfilerConfig, RoleProfilerConfig
@@ -210,9 +210,9 @@ class RolloutCorrectionConfig:
     rollout_rs_threshold: Optional[str] = None
     """Rejection bounds, one per rollout_rs option or one for all: k1 "lower_upper" ratio bounds, k2/k3 an upper bound."""
     bypass_mode: bool = False
-    """verl's bypass mode (rollout log-probs as the old policy): not implemented; must be False (config/support.py)."""
-    loss_type: str = "ppo_clip"
-    """verl's bypass-mode loss: only ppo_clip (the decoupled mode's loss) is implemented (config/support.py)."""
+    """verl's bypass mode: the engine's log-probs are the old policy (no old-log-prob pass); IS weights and rejection come from the policy being trained, per update micro-batch; needs rollout.calculate_log_probs."""
+    loss_type: str = choice("ppo_clip", BYPASS_LOSS_TYPES)
+    """The bypass mode's loss: ppo_clip (PPO clip with ratio pi_theta / pi_rollout, no IS weights) or reinforce (-A w log pi_theta, w the IS weights)."""
 
 
 @dataclass(frozen=True)

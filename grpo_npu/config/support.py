@@ -144,9 +144,6 @@ RULES: tuple[Rule, ...] = tuple([
     *_refuse(FSDP_TURBO, "*.turbo_config.*"),
     *_refuse(VISION, "data.image_key", "data.video_key", "data.audio_key", "data.image_patch_size",
              "data.return_multi_modal_inputs", "data.mm_processor_kwargs*", "*freeze_vision*", "*limit_images"),
-    *_refuse("rollout correction's bypass mode (rollout log-probs as the old policy; decoupled: the actor "
-             "recomputes them)", "algorithm.rollout_correction.bypass_mode", accepted=(False,)),
-    *_refuse("a bypass-mode loss other than ppo_clip", "algorithm.rollout_correction.loss_type", accepted=("ppo_clip",)),
     *_refuse(ROLLOUT_CORRECTION, "algorithm.rollout_correction.*"),
     Rule("actor_rollout_ref.rollout.mode", SAME,
          "verl 0.9.1 has only async, its single-turn agent loop, which samples each prompt's n responses from the "

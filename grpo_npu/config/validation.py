@@ -300,3 +300,21 @@ def _check_rollout_correction(cfg: Config) -> None:
         require(cfg.actor_rollout_ref.rollout.calculate_log_probs,
                 f"{key}.rollout_is={rc.rollout_is} / rollout_rs={rc.rollout_rs} needs the engine's log-probs: "
                 "set actor_rollout_ref.rollout.calculate_log_probs=True")
+    actor = cfg.actor_rollout_ref.actor
+    if not rc.bypass_mode:
+        require(rc.loss_type == "ppo_clip", f"{key}.loss_type={rc.loss_type} is the bypass mode's loss: set "
+                                            f"{key}.bypass_mode=True, or leave loss_type at ppo_clip")
+        return
+    require(cfg.actor_rollout_ref.rollout.calculate_log_probs,
+            f"{key}.bypass_mode=True takes the engine's log-probs as the old policy: set "
+            "actor_rollout_ref.rollout.calculate_log_probs=True")
+    require(actor.policy_loss.loss_mode == "vanilla",
+            f"{key}.bypass_mode=True replaces the policy loss with {key}.loss_type={rc.loss_type} (as verl does); "
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={actor.policy_loss.loss_mode} would not be used: leave it "
+            "vanilla")
+    require(actor.old_log_prob != "recompute",
+            f"{key}.bypass_mode=True skips the old-log-prob pass that actor_rollout_ref.actor.old_log_prob=recompute "
+            "asks for: choose one")
+    require(not actor.calculate_sum_pi_squared,
+            f"{key}.bypass_mode=True skips the old-log-prob pass, which actor_rollout_ref.actor.calculate_sum_pi_squared "
+            "computes sum pi^2 in: choose one")

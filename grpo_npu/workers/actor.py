@@ -21,10 +21,10 @@ import functools
 import torch
 
 from grpo_npu.algo import kl as kl_lib
-from grpo_npu.algo import losses
+from grpo_npu.algo import losses, rollout_corr
 from grpo_npu.algo.names import POLICY_LOSS_PARAMS, POLICY_LOSS_READS
 from grpo_npu.batch import RolloutBatch
-from grpo_npu.config import ActorConfig, Derived
+from grpo_npu.config import ActorConfig, Derived, RolloutCorrectionConfig
 from grpo_npu.device import Device
 from grpo_npu.rollout.metrics import logp_abs_diff
 from grpo_npu.workers import fsdp
@@ -108,11 +108,13 @@ class Actor(Policy):
 
     def __init__(self, module: CausalLMLogProbs, dev: Device, cfg: ActorConfig, derived: Derived, *,
                  remove_padding: bool, temperature: float, total_steps: int, seed: int, share_prefix: bool = False,
-                 offload_activations: bool = False):
+                 offload_activations: bool = False, bypass: RolloutCorrectionConfig | None = None):
         super().__init__(module, dev, remove_padding=remove_padding, temperature=temperature,
                          param_offload=cfg.fsdp_config.param_offload, share_prefix=share_prefix)
         self.cfg = cfg
         self.derived = derived
+        self.bypass = bypass  # algorithm.rollout_correction in bypass mode: corrected per micro-batch in the loss
+        self.bypass_metrics = rollout_corr.bypass_metric_names(bypass) if bypass is not None else ()
         self.policy_loss_fn = losses.get_policy_loss_fn(cfg.policy_loss.loss_mode)
         self.policy_loss_settings = policy_loss_settings(cfg, derived)
         if cfg.loss_agg_mode not in losses.AGG_MODES:
@@ -187,6 +189,8 @@ class Actor(Policy):
         if old_logp_from_update and batch.rollout_logp is not None:
             metrics["rollout/logp_diff_mean"] = stats.per_token("logp_diff")
             metrics["rollout/logp_diff_max"] = stats.maxes["logp_diff"]
+        corrected = max(stats.sums.get("corrected_micro_batches", 0.0), 1.0)
+        metrics.update({name: stats.sums[name] / corrected for name in self.bypass_metrics})  # verl: the micro-batch mean
         return metrics
 
     def micro_loss(self, micro: RolloutBatch, agg: dict, old_logp_from_update: bool = False) -> MicroLoss:
@@ -202,11 +206,22 @@ class Actor(Policy):
         with_entropy = cfg.entropy_coeff != 0 or cfg.calculate_entropy or old_logp_from_update
         logp, entropy = self.forward(micro, with_entropy)  # (b, T) each
         old_logp = logp.detach() if old_logp_from_update else micro.old_logp  # (b, T): ratio exactly 1 from the update
-        pg_loss, m = self.policy_loss_fn(logp, old_logp, micro.advantages, mask, agg_mode=cfg.loss_agg_mode,
-                                         rollout_is_weights=micro.rollout_is_weights, **self.policy_loss_settings, **agg)
+        corr = None
+        if self.bypass is not None:  # old_logp are the engine's; the correction comes from this forward's logp
+            pg_loss, m, corr = rollout_corr.bypass_policy_loss(logp, old_logp, micro.advantages, mask, self.bypass,
+                                                               agg_mode=cfg.loss_agg_mode, **self.policy_loss_settings,
+                                                               **agg)
+        else:
+            pg_loss, m = self.policy_loss_fn(logp, old_logp, micro.advantages, mask, agg_mode=cfg.loss_agg_mode,
+                                             rollout_is_weights=micro.rollout_is_weights, **self.policy_loss_settings,
+                                             **agg)
         n = mask.bool().sum()
         loss = pg_loss
         sums = {"pg_loss": pg_loss, **{name: value * n for name, value in m.items()}}  # the loss mode's token means
+        if self.bypass is not None:  # every rank reports every name; a micro-batch without tokens adds 0 to the mean
+            sums.update({name: mask.new_tensor(corr[name] if corr else 0.0, dtype=torch.float32)
+                         for name in self.bypass_metrics})
+            sums["corrected_micro_batches"] = mask.new_tensor(1.0 if corr else 0.0, dtype=torch.float32)
         maxes = {}
         if cfg.mask_truncated_completions:
             sums["truncated"] = truncated_rows(micro).sum().float()

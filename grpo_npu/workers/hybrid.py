@@ -119,7 +119,8 @@ class HybridWorker:
         )
         self.actor = Actor(actor_module, dev, arr.actor, d, remove_padding=model.use_remove_padding,
                            temperature=arr.rollout.temperature, total_steps=total_steps, seed=cfg.trainer.seed,
-                           share_prefix=share, offload_activations=model.enable_activation_offload)
+                           share_prefix=share, offload_activations=model.enable_activation_offload,
+                           bypass=rc if (rc := cfg.algorithm.rollout_correction).bypass_mode else None)
         if self.lora is not None and self.rank == 0:
             trainable, total = lora.num_params(actor_module)
             log.info("LoRA rank %d: %d of %d parameters (this rank's shards) train", self.lora.rank, trainable, total)

@@ -4,6 +4,7 @@ compute_offpolicy_metrics, calculate_debug_metrics) for every metric, at each IS
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from grpo_npu.algo import losses
 from grpo_npu.algo import rollout_corr as rc
 from grpo_npu.algo.names import ROLLOUT_IS_LEVELS, ROLLOUT_RS_OPTIONS, parse_rollout_rs
 from grpo_npu.batch import RolloutBatch
+from grpo_npu.config import RolloutCorrectionConfig
 
 SHAPES = [(1, 1), (3, 5), (8, 12)]
 SEEDS = [0, 1, 2]
@@ -410,9 +412,7 @@ def test_policy_loss_multiplies_per_token_terms_by_the_weights(mode, agg):
     assert m_w == m_1  # clip fractions and ppo_kl do not depend on them (verl)
 
 
-class _Cfg:
-    rollout_is, rollout_is_threshold, rollout_is_batch_normalize = "sequence", 2.0, False
-    rollout_rs, rollout_rs_threshold = "token_k1", "0.8_1.25"
+_Cfg = RolloutCorrectionConfig(rollout_is="sequence", rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25")
 
 
 def test_correct_batch_sets_weights_and_loss_mask_only_when_it_can():
@@ -426,6 +426,9 @@ def test_correct_batch_sets_weights_and_loss_mask_only_when_it_can():
     assert out.rollout_is_weights.shape == (4, 6) and torch.equal(out.response_mask, mask)
     assert torch.equal(out.loss_tokens(), loop_rejection(old, roll, mask, "token_k1", 0.8, 1.25))
     assert "rollout_corr/rollout_is_mean" in metrics and "training/rollout_probs_diff_mean" in metrics
+    bypass: dict = {}  # bypass mode: the actor corrects each micro-batch, the driver nothing
+    full = b.replace(rollout_logp=roll, old_logp=old)
+    assert rc.correct_batch(full, dataclasses.replace(_Cfg, bypass_mode=True), bypass) is full and bypass == {}
     picked = out.select([2, 3])  # the new fields travel with rows
     assert torch.equal(picked.loss_mask, out.loss_mask[2:]) and torch.equal(picked.rollout_is_weights,
                                                                            out.rollout_is_weights[2:])
