@@ -33,8 +33,7 @@ from grpo_npu.metrics import (compute_data_metrics, compute_throughput_metrics, 
                               variance_proxy_metrics)
 from grpo_npu.preflight import log_checks, run_checks
 from grpo_npu.replay import RolloutSource, engine_needed
-from grpo_npu.reward.manager import OverlongShaping, get_reward_manager
-from grpo_npu.reward.sandbox import SandboxSettings
+from grpo_npu.reward.manager import reward_managers
 from grpo_npu.reward.score import make_compute_score
 from grpo_npu.rollout import baseline_sampling, logp_diff_metrics, training_sampling, validation_sampling
 from grpo_npu.rollout.base import SamplingConfig
@@ -84,16 +83,8 @@ class Trainer:
             compute_score = make_compute_score(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
                                                dict(cfg.reward_model.reward_kwargs),  # the data's scorers exist
                                                [*self.train_set.data_sources, *(self.val_set.data_sources if self.val_set else [])])
-            rm = cfg.reward_model
-            ob = rm.overlong_buffer
-            sandbox = SandboxSettings(timeout_s=rm.timeout_s, fallback_score=rm.fallback_score,
-                                      max_failed_fraction=rm.max_failed_fraction, memory_limit_mb=rm.memory_limit_mb)
-            overlong = (OverlongShaping(self.derived.response_length, ob.len, ob.penalty_factor, ob.log)
-                        if ob.enable else None)
-            self.reward_fn = get_reward_manager(rm.reward_manager, tokenizer=self.tokenizer, compute_score=compute_score,
-                                                num_workers=rm.num_workers, sandbox=sandbox, overlong=overlong)
-            self.val_reward_fn = get_reward_manager("naive", tokenizer=self.tokenizer, compute_score=compute_score,
-                                                    num_workers=rm.num_workers, sandbox=sandbox)
+            self.reward_fn, self.val_reward_fn = reward_managers(cfg, self.tokenizer, compute_score,
+                                                                 self.derived.response_length)
             kc = cfg.algorithm.kl_ctrl
             self.kl_ctrl = make_kl_controller(kc.type, kl_coef=kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon)
 

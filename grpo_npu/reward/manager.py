@@ -195,3 +195,16 @@ def get_reward_manager(name: str, *, tokenizer, compute_score: Callable | None =
             raise ValueError("reward_model.overlong_buffer.enable=True needs reward_model.reward_manager=dapo")
         return REWARD_MANAGERS[name](tokenizer, compute_score, **options)
     return DAPORewardManager(tokenizer, compute_score, overlong=overlong, **options)
+
+
+def reward_managers(cfg, tokenizer, compute_score: Callable, response_length: int
+                    ) -> tuple[NaiveRewardManager, NaiveRewardManager]:
+    """(training, validation) reward managers of the config's ``reward_model`` section: the training one is
+    ``reward_model.reward_manager`` with its overlong shaping; validation scores with naive's (no shaping)."""
+    rm = cfg.reward_model
+    ob = rm.overlong_buffer
+    sandbox = SandboxSettings(timeout_s=rm.timeout_s, fallback_score=rm.fallback_score,
+                              max_failed_fraction=rm.max_failed_fraction, memory_limit_mb=rm.memory_limit_mb)
+    overlong = OverlongShaping(response_length, ob.len, ob.penalty_factor, ob.log) if ob.enable else None
+    common = dict(tokenizer=tokenizer, compute_score=compute_score, num_workers=rm.num_workers, sandbox=sandbox)
+    return get_reward_manager(rm.reward_manager, overlong=overlong, **common), get_reward_manager("naive", **common)
