@@ -10,7 +10,7 @@ modules that act on them.
 DEVICE_KINDS = ("npu", "cuda", "cpu")
 DEVICE_CHOICES = ("auto",) + DEVICE_KINDS
 # trainer.logger: the metric sinks tracking.sinks.SINKS registers
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+LOGGERS = ("console", "jsonl", "file", "tensorboard", "wandb", "mlflow")
 # trainer.resume_mode: checkpoint.CheckpointManager.resolve_resume
 RESUME_MODES = ("auto", "disable", "resume_path")
 # trainer.existing_run_dir: what a run that does not resume does with another run's files (rundir.py)

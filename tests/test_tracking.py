@@ -79,6 +79,30 @@ def test_truncate_after_on_resume(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # atomic rewrite left no temp
 
 
+def test_verls_file_logger_format_path_and_restarts(tmp_path, monkeypatch):
+    """trainer.logger=file writes verl's FileLogger lines ({"step", "data"}) to $VERL_FILE_LOGGER_ROOT/<project>/
+    <experiment>.jsonl (or $VERL_FILE_LOGGER_PATH); a fresh run starts it empty, a resumed one keeps its steps."""
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", str(tmp_path / "logs"))
+    monkeypatch.delenv("VERL_FILE_LOGGER_PATH", raising=False)
+    path = tmp_path / "logs" / "proj" / "exp.jsonl"
+    with make(tmp_path / "run", ("file",), project="proj", experiment="exp") as tracker:
+        for step in (1, 2, 3):
+            tracker.log({"x": float(step)}, step=step)
+    assert _lines(path) == [{"step": s, "data": {"x": float(s)}} for s in (1, 2, 3)]
+    assert _lines(tmp_path / "run" / METRICS_FILE)[0] == {"step": 1, "x": 1.0}  # metrics.jsonl as always
+    with make(tmp_path / "run", ("file",), project="proj", experiment="exp") as tracker:  # resumed from step 2
+        tracker.truncate_after(2)
+        tracker.log({"x": 30.0}, step=3)
+    assert [(r["step"], r["data"]["x"]) for r in _lines(path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    with make(tmp_path / "run2", ("file",), project="proj", experiment="exp") as tracker:  # a fresh run, same names
+        tracker.log({"y": 1.0}, step=1)
+    assert _lines(path) == [{"step": 1, "data": {"y": 1.0}}]
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "given.jsonl"))
+    with make(tmp_path / "run3", ("file",)) as tracker:
+        tracker.log({"z": 2.0}, step=1)
+    assert _lines(tmp_path / "given.jsonl") == [{"step": 1, "data": {"z": 2.0}}]
+
+
 def test_torn_last_line_is_dropped_on_reopen(tmp_path):
     path = tmp_path / METRICS_FILE
     path.write_text('{"step": 1, "x": 1.0}\n{"step": 2, "x"')  # killed mid-write
@@ -134,7 +158,7 @@ def test_sinks_match_the_config_choices():
 
 
 def test_unknown_logger_lists_known(tmp_path):
-    with pytest.raises(ValueError, match="known loggers: console, jsonl, tensorboard, wandb, mlflow"):
+    with pytest.raises(ValueError, match="known loggers: console, jsonl, file, tensorboard, wandb, mlflow"):
         make(tmp_path, ("console", "swanlab"))
 
 

@@ -256,7 +256,7 @@ class TrainerConfig:
     experiment_name: str = "default"
     """Experiment name (logger and checkpoint directory)."""
     logger: List[str] = many(["console", "jsonl"], LOGGERS)
-    """Metric sinks: console, jsonl, tensorboard, wandb, mlflow."""
+    """Metric sinks: console, jsonl, file (verl's JSON-lines file logger), tensorboard, wandb, mlflow."""
     log_val_generations: int = 0
     """Validation generations printed/logged per validation."""
     rollout_data_dir: Optional[str] = None

@@ -6,7 +6,7 @@
     tracker.log({"critic/score/mean": 0.4, ...}, step=1)
     tracker.close()                        # also writes reward.png, kl.png, ... into run_dir
 
-The sinks (console, jsonl, tensorboard, wandb, mlflow) are :mod:`grpo_npu.tracking.sinks`, the curves
+The sinks (console, jsonl, file, tensorboard, wandb, mlflow) are :mod:`grpo_npu.tracking.sinks`, the curves
 :mod:`grpo_npu.tracking.plots` (also ``python -m grpo_npu.tracking plot RUN_DIR``).
 """
 

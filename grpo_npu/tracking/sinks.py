@@ -1,4 +1,4 @@
-"""Where metrics go: console (+ progress bar), jsonl, tensorboard, wandb, mlflow, one :class:`Sink` each.
+"""Where metrics go: console (+ progress bar), jsonl, verl's file, tensorboard, wandb, mlflow, one :class:`Sink` each.
 
 ``metrics.jsonl`` holds one JSON object per ``log`` call: ``{"step": N, "<metric>": value, ...}``,
 flushed as it is written (a step logged twice, e.g. training then validation, has two lines;
@@ -200,6 +200,34 @@ class JsonlSink(Sink):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+@register_sink("file")
+class FileSink(JsonlSink):
+    """verl's file logger (``verl/utils/tracking.py::FileLogger``): one ``{"step": N, "data": {metric: value}}`` line
+    per log call, at $VERL_FILE_LOGGER_PATH, else $VERL_FILE_LOGGER_ROOT (default: the working directory)
+    /<project>/<experiment>.jsonl. A fresh run starts the file empty, as verl's does; a resumed one keeps its lines
+    up to the checkpoint's step (verl's starts it empty then too)."""
+
+    def __init__(self, info: RunInfo) -> None:
+        super().__init__(info)
+        given = os.environ.get("VERL_FILE_LOGGER_PATH")
+        root = Path(os.path.expanduser(os.environ.get("VERL_FILE_LOGGER_ROOT", ".")))
+        self.path = Path(given) if given else root / info.project / f"{info.experiment}.jsonl"
+        self._resumed = False
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not self._resumed and self.path.is_file():  # another run's lines: a fresh run starts the file empty
+                write_atomic(self.path, "")
+            self._resumed = True  # the file is this run's from now on
+            self._file = JsonlAppender(self.path)
+        self._file.append({STEP_KEY: step, "data": metrics})
+
+    def truncate_after(self, step: int) -> None:
+        self._resumed = True
+        super().truncate_after(step)
 
 
 # The tensorboard, wandb and mlflow packages are optional: each sink imports its own when it is built.
