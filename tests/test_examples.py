@@ -75,7 +75,7 @@ def test_scripts_found():
     names = {p.name for p in ALL_SCRIPTS}
     assert {"run_qwen2_5_0_5b_grpo_npu.sh", "run_qwen2_5_7b_grpo_npu.sh", "run_qwen3_8b_grpo_npu.sh",
             "run_qwen2_5_7b_dapo_npu.sh", "run_qwen2_5_0_5b_ppo_npu.sh", "run_tiny_grpo_cpu.sh",
-            "run_tiny_dapo_cpu.sh", "run_tiny_ppo_cpu.sh"} <= names
+            "run_tiny_dapo_cpu.sh", "run_tiny_ppo_cpu.sh", "run_qwen3_8b_otb_npu.sh", "run_qwen2_5_7b_bypass_npu.sh"} <= names
 
 
 @pytest.mark.parametrize("script", ALL_SCRIPTS, ids=lambda p: str(p.relative_to(EXAMPLES)))
