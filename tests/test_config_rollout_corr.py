@@ -39,6 +39,12 @@ def test_a_correction_needs_the_rollout_log_probs_and_the_old_log_prob_pass(extr
     assert derive(load_config(BASE + [LOGPROBS]), 1).old_logp_from_update is True  # metrics only: on-policy kept
 
 
+def test_icepop_bounds_and_tis_numbers_are_both_accepted():
+    for given, want in (("0.5_4.0", "0.5_4.0"), ("2.0", "2.0"), ("3", "3")):
+        cfg = load_config(BASE + [LOGPROBS, f"{KEY}.rollout_is=token", f"{KEY}.rollout_is_threshold={given}"])
+        assert cfg.algorithm.rollout_correction.rollout_is_threshold == want
+
+
 def test_thresholds_parse_from_the_command_line():
     cfg = load_config(BASE + [LOGPROBS, f"{KEY}.rollout_rs=token_k1,seq_max_k3",
                               f"{KEY}.rollout_rs_threshold='0.5_2.0,0.01'"])
@@ -52,7 +58,11 @@ def test_thresholds_parse_from_the_command_line():
 
 @pytest.mark.parametrize("extra, message", [
     ([f"{KEY}.rollout_is=geometric"], r"rollout_is='geometric' is not accepted; choose one of: token, sequence"),
-    ([f"{KEY}.rollout_is=token", f"{KEY}.rollout_is_threshold=0"], r"rollout_is_threshold=0.0 must be > 0"),
+    ([f"{KEY}.rollout_is=token", f"{KEY}.rollout_is_threshold=0"], r"rollout_is_threshold='0': expected bounds 0 < "
+                                                                   r"lower <= upper"),
+    ([f"{KEY}.rollout_is=token", f"{KEY}.rollout_is_threshold=2_1"], r"rollout_is_threshold='2_1': expected bounds"),
+    ([f"{KEY}.rollout_is=token", f"{KEY}.rollout_is_threshold=high"], r"rollout_is_threshold='high': expected one "
+                                                                      r"upper bound \(2\.0\) or 'lower_upper' bounds"),
     ([f"{KEY}.rollout_rs=token_k1"], r"rollout_rs_threshold must be set"),
     ([f"{KEY}.rollout_rs=token_k5", f"{KEY}.rollout_rs_threshold=2"], r"unknown option 'token_k5'"),
     ([f"{KEY}.rollout_rs=token_k2", f"{KEY}.rollout_rs_threshold=0.5_2"], r"token_k2 needs one upper bound"),

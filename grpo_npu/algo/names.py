@@ -53,6 +53,22 @@ ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum
                       "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 
 
+def parse_rollout_is_threshold(threshold) -> tuple[float, float | None]:
+    """``rollout_is_threshold`` as (upper, lower or None), in verl 0.9.1's way: one number is truncated IS (TIS:
+    weights clamped to it); "lower_upper" is IcePop (weights outside [lower, upper] set to 0). ValueError naming the
+    key otherwise."""
+    key = "algorithm.rollout_correction.rollout_is_threshold"
+    spec = str(threshold).strip()
+    try:
+        lower_s, _, upper_s = spec.partition("_") if "_" in spec else ("", "", spec)
+        upper, lower = float(upper_s), (float(lower_s) if lower_s else None)
+    except ValueError:
+        raise ValueError(f"{key}={threshold!r}: expected one upper bound (2.0) or 'lower_upper' bounds (0.5_2.0)") from None
+    if not upper > 0 or (lower is not None and not 0 < lower <= upper):
+        raise ValueError(f"{key}={threshold!r}: expected bounds 0 < lower <= upper")
+    return upper, lower
+
+
 def parse_rollout_rs(rollout_rs: str, threshold) -> tuple[tuple[str, float | None, float], ...]:
     """``rollout_rs`` and ``rollout_rs_threshold`` as ((option, lower, upper), ...), in verl's way.
 

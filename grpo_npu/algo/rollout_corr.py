@@ -19,13 +19,13 @@ Formulas: docs/algorithms.md ("Rollout correction").
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from grpo_npu.algo.losses import agg_loss, ppo_clip_loss
 from grpo_npu.algo.masked import acc_dtype, masked_mean, masked_sum
-from grpo_npu.algo.names import ROLLOUT_IS_LEVELS, parse_rollout_rs
+from grpo_npu.algo.names import ROLLOUT_IS_LEVELS, parse_rollout_is_threshold, parse_rollout_rs
 from grpo_npu.batch import RolloutBatch
 from grpo_npu.config import RolloutCorrectionConfig
 
@@ -33,6 +33,7 @@ from grpo_npu.config import RolloutCorrectionConfig
 SAFETY_BOUND = 20.0
 
 RsOptions = tuple[tuple[str, Optional[float], float], ...]  # (option, lower, upper) from names.parse_rollout_rs
+SumsFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (sum, count) over ranks
 
 
 def _masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -76,22 +77,27 @@ def _seq_summary(prefix: str, seq: torch.Tensor, high: float, low: float | None,
 # ------------------------------------------------------------------------------------------------
 def rollout_is_weights(
     log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold: float, batch_normalize: bool = False,
+    lower: float | None = None, all_reduce: SumsFn | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Truncated IS weights (B, T), 0 off the mask, detached; metrics ``rollout_is_*`` (0-d tensors).
+    """IS weights (B, T), 0 off the mask, detached; metrics ``rollout_is_*`` (0-d tensors).
 
-    token:    w_t = min(exp(clamp(log r_t)), threshold)
-    sequence: w_t = min(exp(clamp(sum_t log r_t)), threshold) on every token of the sequence
-    batch_normalize divides by the batch mean of w (over tokens, or over sequences for ``sequence``).
-    Metrics as verl 0.9.1's compute_is_metrics: mean, std, effective sample size, the token max / min and the
-    per-sequence mean weights describe the truncated weights (before batch normalisation); the fractions
-    beyond the bounds count the raw weights (token), the raw per-sequence means (``_seq_fraction_*``) or
-    the summed log-ratios (sequence), and the sequence-level max / min come from the summed log-ratios.
+    token:    w_t = exp(clamp(log r_t))
+    sequence: w_t = exp(clamp(sum_t log r_t)) on every token of the sequence
+    applied:  min(w, threshold) (TIS), or with ``lower`` w where lower <= w <= threshold and 0 elsewhere (IcePop)
+    batch_normalize divides by the batch mean of the applied weights (over tokens, or over sequences for
+    ``sequence``); ``all_reduce`` sums that mean's numerator and count over ranks (verl's distributed_masked_mean,
+    in bypass mode). Metrics as verl 0.9.1's compute_is_metrics: mean, std, effective sample size, the token max /
+    min and the per-sequence mean weights describe the applied weights (before batch normalisation); the fractions
+    beyond the bounds (the lower one 1 / threshold for TIS) count the raw weights (token), the raw per-sequence
+    means (``_seq_fraction_*``) or the summed log-ratios (sequence), and the sequence-level max / min come from
+    the summed log-ratios; IcePop adds ``rollout_is_oob_ratio``, the share of tokens whose weight left the bounds.
     """
     if level not in ROLLOUT_IS_LEVELS:
         raise ValueError(f"algorithm.rollout_correction.rollout_is: unknown value {level!r}; "
                          f"known: {', '.join(ROLLOUT_IS_LEVELS)}")
-    if not threshold > 0:
-        raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold={threshold}: expected > 0")
+    if not threshold > 0 or (lower is not None and not 0 < lower <= threshold):
+        raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold: bounds {lower} and {threshold}: "
+                         "expected 0 < lower <= upper")
     log_ratio = log_ratio.to(acc_dtype(log_ratio))
     valid = mask.bool()
     m = valid.to(log_ratio.dtype)
@@ -102,9 +108,13 @@ def rollout_is_weights(
         log_w = masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1)  # (B, 1)
         weights = torch.exp(log_w.clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
     weights = weights * m  # raw
-    truncated = weights.clamp(max=threshold)
-    low = 1.0 / threshold
-    metrics: dict[str, torch.Tensor] = {"rollout_is_mean": masked_mean(truncated, mask)}
+    if lower is None:
+        applied = weights.clamp(max=threshold)
+        low = 1.0 / threshold
+    else:
+        applied = torch.where((weights >= lower) & (weights <= threshold), weights, torch.zeros_like(weights))
+        low = lower
+    metrics: dict[str, torch.Tensor] = {"rollout_is_mean": masked_mean(applied, mask)}
     if level == "sequence":
         metrics["rollout_is_max"] = torch.exp(log_w.max().clamp(max=SAFETY_BOUND))
         metrics["rollout_is_min"] = torch.exp(log_w.min())
@@ -113,22 +123,26 @@ def rollout_is_weights(
     else:
         metrics["rollout_is_ratio_fraction_high"] = masked_mean((weights > threshold).float(), mask)
         metrics["rollout_is_ratio_fraction_low"] = masked_mean((weights < low).float(), mask)
-        metrics["rollout_is_max"] = _masked_max(truncated, valid)
-        metrics["rollout_is_min"] = _masked_min(truncated, valid)
-    metrics["rollout_is_std"] = _clamped_std(truncated, mask, 0.0, threshold)
-    w_ess = truncated / (masked_mean(truncated, mask) + 1e-8)
+        metrics["rollout_is_max"] = _masked_max(applied, valid)
+        metrics["rollout_is_min"] = _masked_min(applied, valid)
+    metrics["rollout_is_std"] = _clamped_std(applied, mask, 0.0, threshold)
+    w_ess = applied / (masked_mean(applied, mask) + 1e-8)
     metrics["rollout_is_eff_sample_size"] = 1.0 / masked_mean(w_ess.square(), mask)
-    seq_w = masked_mean(truncated, mask, dim=-1)  # (B,)
+    seq_w = masked_mean(applied, mask, dim=-1)  # (B,)
     metrics.update(_seq_summary("rollout_is", seq_w, threshold, low, ideal=1.0, raw=masked_mean(weights, mask, dim=-1)))
+    if lower is not None:
+        metrics["rollout_is_oob_ratio"] = masked_mean(((weights < lower) | (weights > threshold)).float(), mask)
 
-    weights = truncated.detach()
+    weights = applied.detach()
     if batch_normalize:
         if level == "token":
-            mean = masked_mean(weights, mask)
+            total, count = (weights * m).sum(), m.sum()
         else:
             has_tokens = valid.any(-1)  # one weight per sequence
-            seq_trunc = masked_mean(weights, mask, dim=-1)[has_tokens]
-            mean = seq_trunc.mean() if seq_trunc.numel() else weights.new_zeros(())
+            total, count = masked_mean(weights, mask, dim=-1)[has_tokens].sum(), has_tokens.sum().to(weights.dtype)
+        if all_reduce is not None:
+            total, count = all_reduce(total, count)
+        mean = total / count.clamp(min=1)
         if mean > 1e-8:
             weights = weights / mean
             metrics["rollout_is_batch_norm_factor"] = mean
@@ -276,15 +290,19 @@ def compute_rollout_correction(
     mask: torch.Tensor,
     *,
     rollout_is: str | None = None,
-    rollout_is_threshold: float = 2.0,
+    rollout_is_threshold: float | str = 2.0,
     rollout_is_batch_normalize: bool = False,
     rs_options: RsOptions = (),
+    all_reduce: SumsFn | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """(IS weights (B, T) or None, loss mask (B, T), ``rollout_corr/*`` metrics as floats).
 
-    ``rollout_is`` None: no weights; ``rs_options`` empty: the loss mask is ``mask``. The off-policy
-    metrics are always computed. Needs at least one valid token.
+    ``rollout_is`` None: no weights; ``rollout_is_threshold`` one number (TIS) or "lower_upper" (IcePop,
+    :func:`grpo_npu.algo.names.parse_rollout_is_threshold`); ``rs_options`` empty: the loss mask is ``mask``;
+    ``all_reduce``: see :func:`rollout_is_weights`. The off-policy metrics are always computed. Needs at least one
+    valid token.
     """
+    upper, lower = parse_rollout_is_threshold(rollout_is_threshold)
     if old_logp.shape != rollout_logp.shape or old_logp.shape != mask.shape or old_logp.dim() != 2:
         raise ValueError(f"old_logp {tuple(old_logp.shape)}, rollout_logp {tuple(rollout_logp.shape)} and mask "
                          f"{tuple(mask.shape)}: expected equal (B, T) shapes")
@@ -296,8 +314,8 @@ def compute_rollout_correction(
         metrics: dict[str, torch.Tensor] = {}
         weights = None
         if rollout_is is not None:
-            weights, is_metrics = rollout_is_weights(log_ratio, mask, rollout_is, rollout_is_threshold,
-                                                     rollout_is_batch_normalize)
+            weights, is_metrics = rollout_is_weights(log_ratio, mask, rollout_is, upper, rollout_is_batch_normalize,
+                                                     lower=lower, all_reduce=all_reduce)
             metrics.update(is_metrics)
         loss_mask = mask
         if rs_options:
@@ -321,13 +339,15 @@ def bypass_metric_names(cfg: RolloutCorrectionConfig) -> tuple[str, ...]:
 
 def bypass_policy_loss(
     logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    cfg: RolloutCorrectionConfig, *, clip_low: float, clip_high: float, clip_c: float, agg_mode: str, **agg_kwargs,
+    cfg: RolloutCorrectionConfig, *, clip_low: float, clip_high: float, clip_c: float, agg_mode: str,
+    all_reduce: SumsFn | None = None, **agg_kwargs,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float] | None]:
     """verl's bypass mode on one micro-batch (0.9.1's compute_policy_loss_bypass_mode): the rollout log-probs are the
     old policy, and the correction is computed here from the policy being trained.
 
     IS weights min(pi_theta / pi_rollout, threshold) and the rejection mask come from the current ``logp``
-    (detached), per micro-batch (``rollout_is_batch_normalize`` divides by this micro-batch's mean, as verl's does).
+    (detached), per micro-batch (``rollout_is_batch_normalize`` divides by this micro-batch's mean, over the ranks
+    when ``all_reduce`` sums across them, as verl's distributed_masked_mean does in its workers).
     ``loss_type=ppo_clip``: the PPO clipped loss with ratio pi_theta / pi_rollout over the tokens rejection keeps,
     without IS weights (the ratio is the correction); ``reinforce``: -A w log pi_theta aggregated over those tokens,
     w the IS weights (1 without ``rollout_is``), with ``ppo_kl`` = mean(rollout_logp - logp). Returns (loss, the loss
@@ -335,8 +355,11 @@ def bypass_policy_loss(
     """
     weights, loss_mask, corr = None, mask, None
     if mask.bool().any():
-        weights, loss_mask, corr = compute_rollout_correction(logp.detach(), rollout_logp, mask,
+        weights, loss_mask, corr = compute_rollout_correction(logp.detach(), rollout_logp, mask, all_reduce=all_reduce,
                                                               **_correction_settings(cfg))
+    elif all_reduce is not None and cfg.rollout_is is not None and cfg.rollout_is_batch_normalize:
+        zero = logp.new_zeros((), dtype=torch.float32)
+        all_reduce(zero, zero)  # the other ranks' normalisation is a collective: this rank takes part with nothing
     if cfg.loss_type == "ppo_clip":
         loss, metrics = ppo_clip_loss(logp, rollout_logp, advantages, loss_mask, clip_low=clip_low, clip_high=clip_high,
                                       clip_c=clip_c, agg_mode=agg_mode, **agg_kwargs)

@@ -201,8 +201,8 @@ class FilterGroupsConfig:
 class RolloutCorrectionConfig:
     rollout_is: Optional[str] = None
     """Truncated IS weights pi_old / pi_rollout on the policy loss: token | sequence | null (none); needs rollout.calculate_log_probs."""
-    rollout_is_threshold: float = 2.0
-    """Upper bound the IS weights are truncated to."""
+    rollout_is_threshold: str = "2.0"
+    """One number: the upper bound IS weights are truncated to (TIS); "lower_upper" (e.g. 0.5_2.0): weights outside the bounds are set to 0 (IcePop)."""
     rollout_is_batch_normalize: bool = False
     """Divide the truncated IS weights by their batch mean (over tokens, or sequences for rollout_is=sequence)."""
     rollout_rs: Optional[str] = None

@@ -11,7 +11,7 @@ import math
 from typing import Any, Iterator, Mapping
 
 from grpo_npu.algo.names import (FILTER_METRICS, POLICY_LOSS_PARAMS, POLICY_LOSS_READS, ROLLOUT_IS_LEVELS,
-                                 parse_rollout_rs)
+                                 parse_rollout_is_threshold, parse_rollout_rs)
 from grpo_npu.config.derived import derive, require
 from grpo_npu.config.schema import Config
 from grpo_npu.errors import ConfigError
@@ -286,7 +286,10 @@ def _check_rollout_correction(cfg: Config) -> None:
     rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
     require(rc.rollout_is in (None,) + ROLLOUT_IS_LEVELS,
             f"{key}.rollout_is={rc.rollout_is!r} is not accepted; choose one of: {', '.join(ROLLOUT_IS_LEVELS)}, null")
-    require(rc.rollout_is_threshold > 0, f"{key}.rollout_is_threshold={rc.rollout_is_threshold} must be > 0")
+    try:
+        parse_rollout_is_threshold(rc.rollout_is_threshold)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     require(rc.rollout_is is not None or not rc.rollout_is_batch_normalize,
             f"{key}.rollout_is_batch_normalize=True needs {key}.rollout_is=token or sequence")
     require(rc.rollout_rs is not None or rc.rollout_rs_threshold is None,

@@ -209,8 +209,8 @@ class Actor(Policy):
         corr = None
         if self.bypass is not None:  # old_logp are the engine's; the correction comes from this forward's logp
             pg_loss, m, corr = rollout_corr.bypass_policy_loss(logp, old_logp, micro.advantages, mask, self.bypass,
-                                                               agg_mode=cfg.loss_agg_mode, **self.policy_loss_settings,
-                                                               **agg)
+                                                               agg_mode=cfg.loss_agg_mode, all_reduce=sums_over_ranks,
+                                                               **self.policy_loss_settings, **agg)
         else:
             pg_loss, m = self.policy_loss_fn(logp, old_logp, micro.advantages, mask, agg_mode=cfg.loss_agg_mode,
                                              rollout_is_weights=micro.rollout_is_weights, **self.policy_loss_settings,
@@ -252,6 +252,12 @@ class Actor(Policy):
             return mask
         keep = ~truncated_rows(batch)  # (B,)
         return mask * keep.to(mask.device, mask.dtype)[:, None]
+
+
+def sums_over_ranks(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(total, count) summed over every rank, in float32 (one all-reduce; HCCL has no float64 one). Collective."""
+    both = fsdp.all_reduce(torch.stack([total.float(), count.float()]))
+    return both[0].to(total.dtype), both[1].to(total.dtype)
 
 
 def truncated_rows(batch: RolloutBatch) -> torch.Tensor:

@@ -252,6 +252,41 @@ def test_is_batch_normalize(level, seed):
     assert float(mean) == pytest.approx(1.0, rel=1e-5)
 
 
+@pytest.mark.parametrize("level", ROLLOUT_IS_LEVELS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_icepop_bounds_zero_the_weights_outside_them(level, seed):
+    """rollout_is_threshold="lower_upper" (verl 0.9.1's IcePop): a weight inside [lower, upper] is kept as it is, one
+    outside is 0 (not clamped); rollout_is_oob_ratio is the share of valid tokens outside; the low fraction counts
+    against lower, not 1 / upper."""
+    old, roll, mask = make((8, 12), seed)
+    weights, _, metrics = rc.compute_rollout_correction(old, roll, mask, rollout_is=level, rollout_is_threshold="0.8_1.5")
+    raw = loop_is_weights(old, roll, mask, level, float("inf"))
+    inside = (raw >= 0.8) & (raw <= 1.5)
+    torch.testing.assert_close(weights.double(), torch.where(inside, raw, torch.zeros_like(raw)), rtol=1e-5, atol=1e-6)
+    valid = mask.bool()
+    assert 0 < float((~inside)[valid].double().mean()) < 1  # both kinds of token in the batch
+    assert metrics["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(float((~inside)[valid].double().mean()))
+    if level == "token":
+        assert metrics["rollout_corr/rollout_is_ratio_fraction_low"] == pytest.approx(float((raw < 0.8)[valid].double().mean()))
+    tis, _, tis_metrics = rc.compute_rollout_correction(old, roll, mask, rollout_is=level, rollout_is_threshold="1.5")
+    torch.testing.assert_close(tis.double(), loop_is_weights(old, roll, mask, level, 1.5), rtol=1e-5, atol=1e-6)
+    assert "rollout_corr/rollout_is_oob_ratio" not in tis_metrics
+
+
+def test_batch_normalisation_sums_over_ranks_when_asked():
+    """Bypass mode normalises over the ranks (verl's distributed_masked_mean): the mean divided out is the sum of
+    every rank's weights over every rank's count, which a stand-in all-reduce provides here."""
+    old, roll, mask = make((6, 5), 0)
+    other_total, other_count = torch.tensor(30.0, dtype=torch.float64), torch.tensor(10.0, dtype=torch.float64)
+    weights, _, metrics = rc.compute_rollout_correction(
+        old, roll, mask, rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True,
+        all_reduce=lambda total, count: (total + other_total, count + other_count))
+    raw = loop_is_weights(old, roll, mask, "token", 2.0)
+    mean = (raw.sum() + 30.0) / (mask.sum() + 10.0)
+    assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(float(mean))
+    torch.testing.assert_close(weights.double(), raw / mean, rtol=1e-5, atol=1e-6)
+
+
 def test_is_weights_carry_no_gradient_and_saturate():
     old = torch.tensor([[0.0, 0.0]], requires_grad=True)
     roll = torch.tensor([[-30.0, 0.0]])
