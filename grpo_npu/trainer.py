@@ -315,7 +315,8 @@ class Trainer:
         rollout = self.cfg.actor_rollout_ref.rollout
         sampling = validation_sampling(rollout, self.derived.response_length, seed=rollout.seed)
         n = sampling.n
-        loader = PromptLoader(self.val_set, self._val_batch_size(), shuffle=False, drop_last=False)
+        loader = PromptLoader(self.val_set, self._val_batch_size(), shuffle=self.cfg.data.validation_shuffle,
+                              seed=self.cfg.data.seed, drop_last=False)
         scores: dict[str, list[float]] = defaultdict(list)
         samples = []
         for prompts in loader:

@@ -536,6 +536,13 @@ def test_optimal_token_baseline_needs_sum_pi_squared_from_a_recomputed_old_log_p
         assert not derive(load_config(one_mini_batch + extra), 2).old_logp_from_update
 
 
+def test_max_samples_and_validation_shuffle_are_verls_keys():
+    cfg = load_config(BASE + ["data.train_max_samples=100", "data.val_max_samples=20", "data.validation_shuffle=True"])
+    assert (cfg.data.train_max_samples, cfg.data.val_max_samples, cfg.data.validation_shuffle) == (100, 20, True)
+    with pytest.raises(ConfigError, match=r"^data\.val_max_samples=0: expected -1 \(all\) or > 0$"):
+        load_config(BASE + ["data.val_max_samples=0"])
+
+
 def test_verl_091_critic_engine_block_and_checkpoint_and_worker_keys():
     """verl 0.9.1 keeps the critic's FSDP settings in critic.fsdp (grpo_npu's critic.model.fsdp_config, older verl's
     home); a critic checkpoint retention equal to the actor's is what one shared checkpoint does; verl's

@@ -58,7 +58,13 @@ class DataConfig:
     shuffle: bool = True
     """Shuffle training prompts each epoch (seeded by data.seed)."""
     seed: int = 1
-    """Seed of the training-prompt shuffle."""
+    """Seed of the training-prompt shuffle (and of the *_max_samples draw)."""
+    train_max_samples: int = -1
+    """Use at most this many training rows (-1: all): drawn at random (data.seed) with data.shuffle, else the first ones."""
+    val_max_samples: int = -1
+    """Use at most this many validation rows (-1: all), chosen as data.train_max_samples chooses."""
+    validation_shuffle: bool = False
+    """Shuffle the validation prompts (seeded by data.seed): which ones val batches and logged generations hold."""
     filter_overlong_prompts: bool = False
     """Drop prompts longer than max_prompt_length before training (and report how many)."""
     filter_overlong_prompts_workers: int = 1

@@ -218,6 +218,8 @@ def validate(cfg: Config) -> None:
         require(not tr.val_only, "trainer.val_only=True validates only, but data.val_files is empty")
         require(tr.test_freq <= 0, f"trainer.test_freq={tr.test_freq} validates every {tr.test_freq} steps, but "
                                    "data.val_files is empty: name the validation files, or set test_freq=-1")
+    for key in ("train_max_samples", "val_max_samples"):
+        require(getattr(d, key) == -1 or getattr(d, key) > 0, f"data.{key}={getattr(d, key)}: expected -1 (all) or > 0")
     crf = cfg.custom_reward_function
     require(crf.path is not None or crf.name == type(crf).name,
             f"custom_reward_function.name={crf.name} names a function in custom_reward_function.path, which is not set")

@@ -154,6 +154,8 @@ class RLDataset:
         media_columns: Sequence[str] = (),
         tokenize_workers: int = 1,
         files_key: str = "the data files",
+        max_samples: int = -1,
+        sample_seed: int | None = None,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r}; expected one of {TRUNCATION_MODES}")
@@ -172,6 +174,13 @@ class RLDataset:
         self.tokenize_workers = max(1, tokenize_workers)
 
         rows, origins = self._read_rows()
+        row_numbers = np.arange(len(rows))  # each row's number in the files (an item's index)
+        if 0 < max_samples < len(rows):  # verl's data.train_max_samples / val_max_samples, before any filtering
+            total = len(rows)
+            picked = (np.random.default_rng(sample_seed).choice(total, size=max_samples, replace=False)
+                      if sample_seed is not None else np.arange(max_samples))  # verl's draw, in its order
+            rows, origins, row_numbers = [rows[i] for i in picked], [origins[i] for i in picked], picked
+            logger.info("%s: %d of %d rows (data.*_max_samples)", files_key, max_samples, total)
         messages = [_check_chat(row[prompt_key], where, prompt_key) for row, where in zip(rows, origins)]
         token_ids = self._tokenize(messages)
 
@@ -200,7 +209,7 @@ class RLDataset:
         self.num_filtered = len(rows) - len(keep)
         self.prompt_lengths = lengths[keep]  # (N,) before truncation
 
-        self._indices = [int(i) for i in keep]
+        self._indices = [int(row_numbers[i]) for i in keep]
         self._token_ids = [truncate(token_ids[i], max_prompt_length, truncation) for i in keep]
         self._data_sources = [rows[i][reward_fn_key] for i in keep]
         self._ground_truths = [(rows[i].get("reward_model") or {}).get("ground_truth") for i in keep]
@@ -214,7 +223,9 @@ class RLDataset:
                    truncation=data.truncation, filter_overlong_prompts=data.filter_overlong_prompts,
                    reward_fn_key=data.reward_fn_key, apply_chat_template_kwargs=dict(data.apply_chat_template_kwargs),
                    media_columns=[VERL_MEDIA_COLUMNS[k] for k in sorted(VERL_MEDIA_COLUMNS)],
-                   tokenize_workers=data.filter_overlong_prompts_workers)
+                   tokenize_workers=data.filter_overlong_prompts_workers,
+                   max_samples=data.train_max_samples if files_key == "train_files" else data.val_max_samples,
+                   sample_seed=data.seed if data.shuffle else None)
 
     def _read_rows(self) -> tuple[list[dict], list[str]]:
         """All rows of all files, and a "file row k" label for each (for error messages)."""

@@ -7,6 +7,7 @@ import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import numpy as np
 import pytest
 import torch
 
@@ -91,6 +92,19 @@ def test_several_files_and_custom_keys(tiny_tokenizer, tmp_path):
     assert ds[0].data_source == "src-train"
     assert ds[0].raw_prompt_ids == _template_ids(tiny_tokenizer, rows[0]["question_chat"])
     assert [ds[i].index for i in range(len(ds))] == [0, 1, 2, 3, 4]
+
+
+def test_max_samples_takes_the_first_rows_or_verls_seeded_draw(tiny_tokenizer, parquet):
+    """verl's data.train_max_samples / val_max_samples: without shuffling the first N rows, with it
+    numpy.random.default_rng(seed).choice(total, N, replace=False) in that order; an item keeps its row number."""
+    path = parquet(_rows(10))
+    first = RLDataset(path, tiny_tokenizer, max_prompt_length=256, max_samples=4)
+    assert [first[i].index for i in range(len(first))] == [0, 1, 2, 3]
+    drawn = RLDataset(path, tiny_tokenizer, max_prompt_length=256, max_samples=4, sample_seed=7)
+    want = np.random.default_rng(7).choice(10, size=4, replace=False).tolist()
+    assert [drawn[i].index for i in range(len(drawn))] == want and want != [0, 1, 2, 3]
+    assert [drawn[i].ground_truth for i in range(len(drawn))] == [str(i) for i in want]
+    assert len(RLDataset(path, tiny_tokenizer, max_prompt_length=256, max_samples=50)) == 10  # more than there are
 
 
 def test_filter_overlong_counts_and_reports(tiny_tokenizer, parquet, caplog):
