@@ -13,7 +13,7 @@ import pytest
 
 import grpo_npu
 from grpo_npu import metrics
-from grpo_npu.algo import advantages, dapo, groups, kl, losses, masked, rollout_corr
+from grpo_npu.algo import advantages, cov_losses, dapo, groups, kl, loss_base, losses, masked, rollout_corr
 from grpo_npu.algo import names as algo_names
 from grpo_npu.reward import custom, gsm8k, manager, math as math_reward, parallel, score
 from grpo_npu.reward import known_data_sources
@@ -52,8 +52,10 @@ def test_every_registered_name_is_described(kind, names):
         (kl, ["kl_penalty", "apply_kl_in_reward", "make_kl_controller", "FixedKLController", "AdaptiveKLController",
               "K3_LOG_RATIO_CLAMP", "K3_VALUE_CLAMP", "ADAPTIVE_ERROR_CLIP"]),
         (losses, ["ppo_clip_loss", "gspo_loss", "value_loss", "agg_loss", "agg_counts", "get_policy_loss_fn",
-                  "LOG_RATIO_CLAMP", "GSPO_LOG_RATIO_MAX", "gpg_loss", "cispo_loss", "sapo_loss", "dro_loss",
+                  "GSPO_LOG_RATIO_MAX", "gpg_loss", "cispo_loss", "sapo_loss", "dro_loss",
                   "dppo_tv_loss", "dppo_kl_loss", "geo_mean_loss", "SAPO_AGG_MODE", "DPPO_KL_EPS", "GEO_MEAN_IS_EPS"]),
+        (loss_base, ["LOG_RATIO_CLAMP"]),
+        (cov_losses, ["clip_cov_loss", "kl_cov_loss"]),
         (masked, ["masked_values", "masked_sum", "masked_mean", "masked_whiten", "WHITEN_EPS"]),
         (rollout_corr, ["compute_rollout_correction", "rollout_is_weights", "rollout_rejection_mask", "offpolicy_metrics",
                         "probs_diff_metrics", "correct_batch", "SAFETY_BOUND"]),

@@ -1,147 +1,30 @@
-"""Policy / value losses and loss aggregation.
+"""Policy and value losses, and the policy-loss lookup (``get_policy_loss_fn``) over every registered mode.
 
 Shapes: ``logp``, ``old_logp``, ``advantages``, ``values``, ``returns`` and ``mask`` are (B, T).
 Losses return ``(loss, metrics)``: a 0-d float32 loss (float64 stays float64) and a dict of detached
 0-d tensors, each a mean over this call's valid tokens (the caller averages them across
 micro-batches). Nothing here reads a tensor back to Python (no ``item()``).
-Formulas: docs/algorithms.md ("Policy losses", "Loss aggregation", "Value loss").
-
-Micro-batching and data parallelism: build each micro-batch's loss with the GLOBAL counts of its
-mini-batch (``num_tokens`` / ``num_seqs`` summed over all micro-batches and ranks, see
-:func:`agg_counts`) and sum the micro-batch losses (gradient accumulation). The result equals the
-loss of the whole mini-batch. Under data parallelism, where the gradient is averaged over ranks,
-scale each rank's loss by the number of ranks.
+Formulas: docs/algorithms.md ("Policy losses", "Loss aggregation", "Value loss"). The aggregation
+(``agg_loss``, ``agg_counts``, ``AGG_MODES``) lives in :mod:`grpo_npu.algo.loss_base`; callers take it from here.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
+from grpo_npu.algo import cov_losses  # noqa: F401 (registers clip_cov and kl_cov)
+from grpo_npu.algo.loss_base import (AGG_MODES, POLICY_LOSSES, PolicyLoss, agg_counts, agg_loss, check_policy_inputs,
+                                     clamped_log_ratio, is_weighted, positive_count, register_policy_loss, zero)
 from grpo_npu.algo.masked import acc_dtype, masked_mean, masked_values
-from grpo_npu.algo.names import AGG_MODES, POLICY_LOSS_MODES
-from grpo_npu.algo.registry import Registry
-
-# log(pi / pi_old) is clamped before exp(): exp(20) ~ 5e8 keeps the ratio and its gradient finite
-# in float32 and bfloat16 however far the policies have drifted apart.
-LOG_RATIO_CLAMP = 20.0
 
 # GSPO: the log of the sequence ratio is capped at 10 (ratio e^10 ~ 2.2e4) before exp(), with no floor,
 # as verl 0.9.1's compute_policy_loss_gspo does; the cap also stops the gradient of a capped sequence.
 GSPO_LOG_RATIO_MAX = 10.0
 
 
-# ------------------------------------------------------------------------------------------------
-# Aggregation
-# ------------------------------------------------------------------------------------------------
-def agg_counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local (num_tokens, num_seqs) of a (B, T) mask as 0-d int64 tensors; sum them to get global counts.
-
-    num_seqs counts every row, a fully masked one (all its tokens rejected by rollout correction) included:
-    verl 0.9.1 divides the ``seq-mean-*`` modes by its global_batch_size, ppo_mini_batch_size x n rows.
-    """
-    valid = mask.bool()
-    return valid.sum(), torch.tensor(valid.shape[0], dtype=torch.int64, device=valid.device)
-
-
-def _positive(count, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A count (int, float or tensor) as a 0-d tensor, at least 1 so that an empty batch gives loss 0."""
-    return torch.as_tensor(count, device=device).to(dtype).clamp(min=1)
-
-
-def agg_loss(
-    loss: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str,
-    *,
-    num_tokens=None,
-    num_seqs=None,
-    horizon: int | None = None,
-) -> torch.Tensor:
-    """Aggregate a (B, T) loss to a scalar with ``actor.loss_agg_mode`` ``mode``.
-
-    token-mean:              sum(loss) / num_tokens
-    token-sum:               sum(loss)
-    seq-mean-token-sum:      sum_i sum_t(loss) / num_seqs
-    seq-mean-token-mean:     sum_i (sum_t(loss) / len_i) / num_seqs
-    seq-mean-token-sum-norm: sum(loss) / (num_seqs * horizon)
-    Sums run over valid tokens. num_tokens / num_seqs are the global counts of the mini-batch (agg_counts: every
-    row is a sequence); without them this call's own counts, where only rows with a valid token are sequences
-    (verl's agg_loss without global_batch_size);
-    horizon is data.max_response_length (default: the mask width T).
-    """
-    if mode not in AGG_MODES:
-        raise ValueError(f"actor.loss_agg_mode: unknown value {mode!r}; known: {', '.join(AGG_MODES)}")
-    if loss.shape != mask.shape or loss.dim() != 2:
-        raise ValueError(f"loss and mask: expected equal (B, T) shapes, got {tuple(loss.shape)} and {tuple(mask.shape)}")
-    valid = mask.bool()
-    values = masked_values(loss, valid)  # (B, T)
-    dtype, device = values.dtype, values.device
-    if mode == "token-sum":
-        return values.sum()
-    if mode == "token-mean":
-        if num_tokens is None:
-            num_tokens = valid.sum()
-        return values.sum() / _positive(num_tokens, dtype, device)
-    if num_seqs is None:
-        num_seqs = valid.any(-1).sum()
-    per_seq = values.sum(-1)  # (B,) token sums, 0 for fully masked rows
-    if mode == "seq-mean-token-mean":
-        per_seq = per_seq / valid.sum(-1).clamp(min=1).to(dtype)  # token means
-    seq_mean = per_seq.sum() / _positive(num_seqs, dtype, device)
-    if mode != "seq-mean-token-sum-norm":
-        return seq_mean
-    horizon = loss.shape[-1] if horizon is None else horizon
-    if horizon <= 0:
-        raise ValueError(f"horizon (data.max_response_length): expected > 0, got {horizon}")
-    return seq_mean / horizon  # divided after the sequence mean, in verl's order (same float rounding)
-
-
-# ------------------------------------------------------------------------------------------------
-# Policy losses (actor.policy_loss.loss_mode)
-# ------------------------------------------------------------------------------------------------
-PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-POLICY_LOSSES: Registry[PolicyLoss] = Registry("actor.policy_loss.loss_mode", POLICY_LOSS_MODES)
-
-
-def register_policy_loss(name: str):
-    """Decorator registering a policy loss with the ppo_clip_loss signature under ``name``."""
-    return POLICY_LOSSES.register(name)
-
-
 def get_policy_loss_fn(name: str) -> PolicyLoss:
     """The policy loss registered as ``name`` (names.POLICY_LOSS_MODES)."""
     return POLICY_LOSSES.get(name)
-
-
-def _check_policy_inputs(logp, old_logp, advantages, mask, clip_low: float, clip_high: float,
-                         clip_c: float | None = None) -> None:
-    shapes = {"logp": logp.shape, "old_logp": old_logp.shape, "advantages": advantages.shape, "mask": mask.shape}
-    if len(set(shapes.values())) != 1 or logp.dim() != 2:
-        raise ValueError("policy loss: expected equal (B, T) shapes, got " + ", ".join(f"{k} {tuple(v)}" for k, v in shapes.items()))
-    if clip_low < 0 or clip_high < 0:
-        raise ValueError(f"actor.clip_ratio_low/high: expected >= 0, got {clip_low} / {clip_high}")
-    if clip_c is not None and clip_c <= 1.0:
-        raise ValueError(f"actor.clip_ratio_c: expected > 1, got {clip_c}")
-
-
-def _is_weighted(per_token: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """Per-token losses times the rollout-correction IS weights (detached, (B, T)); unchanged without weights."""
-    if weights is None:
-        return per_token
-    if weights.shape != per_token.shape:
-        raise ValueError(f"rollout_is_weights {tuple(weights.shape)}: expected the loss's (B, T) {tuple(per_token.shape)}")
-    return per_token * weights.detach().to(per_token.dtype)
-
-
-def _log_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
-    """(B, T) log(pi / pi_old), clamped to +-LOG_RATIO_CLAMP so that exp() stays finite."""
-    return (logp - old_logp.to(logp.dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-
-
-def _zero(like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros((), dtype=like.dtype, device=like.device)
 
 
 @register_policy_loss("vanilla")
@@ -155,10 +38,10 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     before aggregation (verl's rollout correction). Metrics: pg_clipfrac (the clipped branch taken),
     pg_clipfrac_lower (the dual-clip branch taken), ppo_kl (mean of old_logp - logp, log ratio clamped).
     """
-    _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high, clip_c)
+    check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high, clip_c)
     dtype = acc_dtype(logp)
     adv = advantages.to(dtype)
-    log_ratio = _log_ratio(logp.to(dtype), old_logp)  # (B, T)
+    log_ratio = clamped_log_ratio(logp.to(dtype), old_logp)  # (B, T)
     ratio = torch.exp(log_ratio)
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -166,7 +49,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     loss_dual = -adv * clip_c  # caps the loss of A < 0 tokens whose ratio has grown very large
     negative = adv < 0
     per_token = torch.where(negative, torch.minimum(loss_ppo, loss_dual), loss_ppo)
-    loss = agg_loss(_is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
+    loss = agg_loss(is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(dtype), mask),
@@ -190,7 +73,7 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     (e.g. 3e-4 / 4e-4); the default aggregation is verl's for GSPO, seq-mean-token-mean.
     ``rollout_is_weights`` as in :func:`ppo_clip_loss`.
     """
-    _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
+    check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
     dtype = acc_dtype(logp)
     adv = advantages.to(dtype)
     logp = logp.to(dtype)
@@ -202,11 +85,11 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(loss_unclipped, loss_clipped)
-    loss = agg_loss(_is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
+    loss = agg_loss(is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(dtype), mask),
-            "pg_clipfrac_lower": _zero(loss),
+            "pg_clipfrac_lower": zero(loss),
             "ppo_kl": masked_mean(-token_log_ratio, mask),
         }
     return loss, metrics
@@ -234,10 +117,10 @@ SAPO_AGG_MODE = "seq-mean-token-mean"
 def gpg_loss(logp, old_logp, advantages, mask, *, agg_mode: str = "token-mean", rollout_is_weights=None,
              **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GPG: the REINFORCE loss -A * logp, no ratio and no clip (old_logp is not read). No metrics, as in verl."""
-    _check_policy_inputs(logp, old_logp, advantages, mask, 0.0, 0.0)
+    check_policy_inputs(logp, old_logp, advantages, mask, 0.0, 0.0)
     dtype = acc_dtype(logp)
     per_token = -advantages.to(dtype) * logp.to(dtype)
-    return agg_loss(_is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs), {}
+    return agg_loss(is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs), {}
 
 
 @register_policy_loss("cispo")
@@ -246,16 +129,16 @@ def cispo_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2, clip_
                **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO: -sg(clip(rho, 1 - clip_low, 1 + clip_high)) * A * logp; every token keeps a gradient, weighted by
     its clipped ratio. pg_clipfrac: tokens whose ratio the clip changed; pg_clipfrac_lower 0."""
-    _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
+    check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
     dtype = acc_dtype(logp)
     logp = logp.to(dtype)
-    log_ratio = _log_ratio(logp, old_logp)
+    log_ratio = clamped_log_ratio(logp, old_logp)
     ratio = torch.exp(log_ratio).detach()
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = -weight * advantages.to(dtype) * logp
-    loss = agg_loss(_is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
+    loss = agg_loss(is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
     with torch.no_grad():
-        metrics = {"pg_clipfrac": masked_mean((weight != ratio).to(dtype), mask), "pg_clipfrac_lower": _zero(loss),
+        metrics = {"pg_clipfrac": masked_mean((weight != ratio).to(dtype), mask), "pg_clipfrac_lower": zero(loss),
                    "ppo_kl": masked_mean(-log_ratio, mask)}
     return loss, metrics
 
@@ -269,15 +152,15 @@ def sapo_loss(logp, old_logp, advantages, mask, *, tau_pos: float = 1.0, tau_neg
     entropy terms still follow actor.loss_agg_mode). At rho = 1 the gradient is the policy gradient's."""
     if tau_pos <= 0 or tau_neg <= 0:
         raise ValueError(f"actor_rollout_ref.actor.tau_pos / tau_neg: expected > 0, got {tau_pos} / {tau_neg}")
-    _check_policy_inputs(logp, old_logp, advantages, mask, 0.0, 0.0)
+    check_policy_inputs(logp, old_logp, advantages, mask, 0.0, 0.0)
     dtype = acc_dtype(logp)
     adv = advantages.to(dtype)
-    log_ratio = _log_ratio(logp.to(dtype), old_logp)
+    log_ratio = clamped_log_ratio(logp.to(dtype), old_logp)
     tau = torch.full_like(adv, tau_neg).masked_fill(adv > 0, tau_pos)  # (B, T)
     gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
-    loss = agg_loss(_is_weighted(-gate * adv, rollout_is_weights), mask, SAPO_AGG_MODE, **agg_kwargs)
+    loss = agg_loss(is_weighted(-gate * adv, rollout_is_weights), mask, SAPO_AGG_MODE, **agg_kwargs)
     with torch.no_grad():
-        metrics = {"pg_clipfrac": _zero(loss), "pg_clipfrac_lower": _zero(loss), "ppo_kl": masked_mean(-log_ratio, mask)}
+        metrics = {"pg_clipfrac": zero(loss), "pg_clipfrac_lower": zero(loss), "ppo_kl": masked_mean(-log_ratio, mask)}
     return loss, metrics
 
 
@@ -287,12 +170,12 @@ def dro_loss(logp, old_logp, advantages, mask, *, dro_beta: float | None = None,
     """DRO: -(A * logp - dro_beta / 2 * (logp - old_logp)^2), the log ratio unclamped. Metric: ppo_kl only."""
     if dro_beta is None or not dro_beta > 0:
         raise ValueError(f"actor_rollout_ref.actor.policy_loss.dro_beta={dro_beta}: loss_mode=dro needs a value > 0")
-    _check_policy_inputs(logp, old_logp, advantages, mask, 0.0, 0.0)
+    check_policy_inputs(logp, old_logp, advantages, mask, 0.0, 0.0)
     dtype = acc_dtype(logp)
     logp = logp.to(dtype)
     log_ratio = logp - old_logp.to(dtype)
     per_token = -(advantages.to(dtype) * logp - 0.5 * dro_beta * log_ratio.square())
-    loss = agg_loss(_is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
+    loss = agg_loss(is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
     with torch.no_grad():
         metrics = {"ppo_kl": masked_mean(-log_ratio, mask)}
     return loss, metrics
@@ -302,15 +185,15 @@ def _dppo_loss(logp, old_logp, advantages, mask, keep_of, *, clip_low: float, cl
                agg_mode: str, rollout_is_weights, agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO: -A * sg(min(rho, clip_c)) * logp on the tokens ``keep_of(logp, old_logp, A > 0)`` keeps inside the
     trust region, 0 elsewhere. pg_clipfrac: tokens outside it; pg_clipfrac_lower: kept tokens whose rho > clip_c."""
-    _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high, clip_c)
+    check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high, clip_c)
     dtype = acc_dtype(logp)
     adv, logp, old_logp = advantages.to(dtype), logp.to(dtype), old_logp.to(dtype)
-    log_ratio = _log_ratio(logp, old_logp)
+    log_ratio = clamped_log_ratio(logp, old_logp)
     ratio = torch.exp(log_ratio).detach()
     with torch.no_grad():
         keep = keep_of(logp, old_logp, adv > 0).to(dtype)  # (B, T) 1 inside the region
     per_token = -adv * ratio.clamp(max=clip_c) * logp * keep
-    loss = agg_loss(_is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
+    loss = agg_loss(is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
     with torch.no_grad():
         metrics = {"pg_clipfrac": masked_mean(1.0 - keep, mask),
                    "pg_clipfrac_lower": masked_mean((ratio > clip_c).to(dtype) * keep, mask),
@@ -354,7 +237,7 @@ def geo_mean_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2, cl
     [-clip_low, clip_high] on the side the advantage's sign pessimises, times -(the mean advantage); the loss
     is the mean over responses (``num_seqs``: the global count; default this call's rows). ``agg_mode`` is
     not read (verl's choice). IS weights enter as their per-response geometric mean."""
-    _check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
+    check_policy_inputs(logp, old_logp, advantages, mask, clip_low, clip_high)
     dtype = acc_dtype(logp)
     adv, valid = advantages.to(dtype), mask.bool()
     log_ratio = logp.to(dtype) - old_logp.to(dtype)  # (B, T), unclamped as in verl
@@ -368,7 +251,7 @@ def geo_mean_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2, cl
     if rollout_is_weights is not None:
         log_w = torch.log(rollout_is_weights.detach().to(dtype) + GEO_MEAN_IS_EPS)
         per_seq = per_seq * torch.exp(masked_values(log_w, valid).sum(-1) / length)
-    loss = per_seq.sum() / _positive(mask.shape[0] if num_seqs is None else num_seqs, dtype, per_seq.device)
+    loss = per_seq.sum() / positive_count(mask.shape[0] if num_seqs is None else num_seqs, dtype, per_seq.device)
     with torch.no_grad():
         changed = (log_ratio != clipped).to(dtype)
         metrics = {"pg_clipfrac": masked_mean(changed * (adv > 0), mask),

@@ -15,11 +15,15 @@ KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 # algorithm.kl_ctrl.type: kl.make_kl_controller
 KL_CTRL_TYPES = ("fixed", "adaptive")
 # actor.policy_loss.loss_mode: losses.POLICY_LOSSES
-POLICY_LOSS_MODES = ("vanilla", "gspo", "gpg", "cispo", "sapo", "dro", "dppo_tv", "dppo_kl", "geo_mean")
+POLICY_LOSS_MODES = ("vanilla", "gspo", "gpg", "cispo", "sapo", "dro", "dppo_tv", "dppo_kl", "geo_mean", "clip_cov",
+                     "kl_cov")
 # The policy losses' settings: each actor key (under actor_rollout_ref.actor) and the keyword it reaches the loss
 # function as. clip_ratio_low/high are the ends after clip_ratio filled a null one.
 POLICY_LOSS_PARAMS = {"clip_ratio_low": "clip_low", "clip_ratio_high": "clip_high", "clip_ratio_c": "clip_c",
-                      "tau_pos": "tau_pos", "tau_neg": "tau_neg", "policy_loss.dro_beta": "dro_beta"}
+                      "tau_pos": "tau_pos", "tau_neg": "tau_neg", "policy_loss.dro_beta": "dro_beta",
+                      "policy_loss.clip_cov_ratio": "clip_cov_ratio", "policy_loss.clip_cov_lb": "clip_cov_lb",
+                      "policy_loss.clip_cov_ub": "clip_cov_ub", "policy_loss.kl_cov_ratio": "kl_cov_ratio",
+                      "policy_loss.ppo_kl_coef": "ppo_kl_coef"}
 # The ones each loss mode reads, as verl 0.9.1's functions read them; validation refuses another mode's at a
 # value other than its default.
 _CLIP = ("clip_ratio_low", "clip_ratio_high")
@@ -33,6 +37,8 @@ POLICY_LOSS_READS = {
     "dppo_tv": (*_CLIP, "clip_ratio_c"),
     "dppo_kl": (*_CLIP, "clip_ratio_c"),
     "geo_mean": _CLIP,
+    "clip_cov": (*_CLIP, "policy_loss.clip_cov_ratio", "policy_loss.clip_cov_lb", "policy_loss.clip_cov_ub"),
+    "kl_cov": ("policy_loss.kl_cov_ratio", "policy_loss.ppo_kl_coef"),
 }
 # algorithm.rollout_correction.loss_type: the bypass mode's losses (rollout_corr.bypass_policy_loss)
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")

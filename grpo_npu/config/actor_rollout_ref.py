@@ -137,9 +137,19 @@ class OptimConfig:
 @dataclass(frozen=True)
 class PolicyLossConfig:
     loss_mode: str = choice("vanilla", POLICY_LOSS_MODES)
-    """Policy loss: vanilla (PPO clip, dual-clip) | gspo (sequence ratio) | gpg | cispo | sapo | dro | dppo_tv | dppo_kl | geo_mean (docs/algorithms.md)."""
+    """Policy loss: vanilla (PPO clip, dual-clip) | gspo (sequence ratio) | gpg | cispo | sapo | dro | dppo_tv | dppo_kl | geo_mean | clip_cov | kl_cov (docs/algorithms.md)."""
     dro_beta: Optional[float] = None
     """Weight of the quadratic log-ratio penalty of loss_mode=dro (required there, > 0)."""
+    clip_cov_ratio: float = 0.0002
+    """loss_mode=clip_cov: the share of valid tokens whose gradient is taken away."""
+    clip_cov_lb: float = 1.0
+    """loss_mode=clip_cov: lower bound of the covariance a token must exceed to be a candidate."""
+    clip_cov_ub: float = 5.0
+    """loss_mode=clip_cov: upper bound of the covariance a candidate must stay below."""
+    kl_cov_ratio: float = 0.0002
+    """loss_mode=kl_cov: the share of valid tokens (largest covariance) given the |log ratio| penalty."""
+    ppo_kl_coef: float = 0.1
+    """loss_mode=kl_cov: weight of that penalty."""
 
 
 @dataclass(frozen=True)

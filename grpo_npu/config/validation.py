@@ -70,6 +70,12 @@ def _check_loss_settings(actor: Any) -> None:
                 f"(it reads: {', '.join(reads) or 'none of them'}); remove it or choose the loss mode that reads it")
     for name in ("tau_pos", "tau_neg"):
         require(getattr(actor, name) > 0, f"{key}.{name}={getattr(actor, name)} must be > 0")
+    pl = actor.policy_loss
+    for name in ("clip_cov_ratio", "kl_cov_ratio"):
+        require(0 < getattr(pl, name) <= 1, f"{key}.policy_loss.{name}={getattr(pl, name)} must be in (0, 1]")
+    require(pl.clip_cov_lb < pl.clip_cov_ub, f"{key}.policy_loss.clip_cov_lb={pl.clip_cov_lb} must be below "
+                                             f"clip_cov_ub={pl.clip_cov_ub}")
+    require(pl.ppo_kl_coef >= 0, f"{key}.policy_loss.ppo_kl_coef={pl.ppo_kl_coef} must be >= 0")
     beta = actor.policy_loss.dro_beta
     require(mode != "dro" or (beta is not None and beta > 0),
             f"{key}.policy_loss.dro_beta={beta}: loss_mode=dro needs a penalty weight > 0")

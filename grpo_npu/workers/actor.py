@@ -99,7 +99,9 @@ def policy_loss_settings(cfg: ActorConfig, derived: Derived) -> dict[str, float 
     """The keyword settings the chosen policy loss reads (names.POLICY_LOSS_READS), by its parameter names."""
     values = {"clip_ratio_low": derived.clip_low, "clip_ratio_high": derived.clip_high,
               "clip_ratio_c": cfg.clip_ratio_c, "tau_pos": cfg.tau_pos, "tau_neg": cfg.tau_neg,
-              "policy_loss.dro_beta": cfg.policy_loss.dro_beta}
+              "policy_loss.dro_beta": (pl := cfg.policy_loss).dro_beta, "policy_loss.clip_cov_ratio": pl.clip_cov_ratio,
+              "policy_loss.clip_cov_lb": pl.clip_cov_lb, "policy_loss.clip_cov_ub": pl.clip_cov_ub,
+              "policy_loss.kl_cov_ratio": pl.kl_cov_ratio, "policy_loss.ppo_kl_coef": pl.ppo_kl_coef}
     return {POLICY_LOSS_PARAMS[name]: values[name] for name in POLICY_LOSS_READS[cfg.policy_loss.loss_mode]}
 
 

@@ -156,8 +156,12 @@ def test_agg_loss_micro_batch_invariance(batch_kit, mode, seed):
     _invariance_check(build_loss, params, mask, mode, gen)
 
 
+# Clip-Cov and KL-Cov pick their tokens within each micro-batch (verl's), so they depend on the micro-batching.
+MICRO_BATCH_DEPENDENT = ("clip_cov", "kl_cov")
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("loss_name", list(POLICY_LOSS_MODES))
+@pytest.mark.parametrize("loss_name", [m for m in POLICY_LOSS_MODES if m not in MICRO_BATCH_DEPENDENT])
 def test_policy_loss_micro_batch_invariance(batch_kit, mode, loss_name):
     random_mask, _ = batch_kit
     gen = torch.Generator().manual_seed(7)

@@ -21,6 +21,11 @@ MODES = {
     "dppo_kl": ((), ALL, lambda a, lp: -a * lp),
     "sapo": (("actor_rollout_ref.actor.tau_pos=2.0",), ALL, None),  # 4/tau * sigmoid(0) = 2/tau per token
     "geo_mean": ((), ALL, None),  # -mean over responses of the response's mean advantage
+    # the ratio form -A rho at rho = 1; kl_cov's penalty |log rho| is 0 there; clip_cov with bounds no covariance
+    # reaches takes no token out
+    "kl_cov": (("actor_rollout_ref.actor.policy_loss.ppo_kl_coef=0.5",), {"actor/ppo_kl"}, lambda a, lp: -a + 0 * lp),
+    "clip_cov": (("actor_rollout_ref.actor.policy_loss.clip_cov_lb=100", "actor_rollout_ref.actor.policy_loss.clip_cov_ub=200"),
+                 {"actor/pg_clipfrac", "actor/ppo_kl"}, lambda a, lp: -a + 0 * lp),
 }
 
 
