@@ -128,7 +128,7 @@ def memory_child(model_path: str, lora_rank: int) -> dict:
     batch = RolloutBatch(ids(MEMORY_PROMPT), torch.ones(MEMORY_ROWS, MEMORY_PROMPT, dtype=torch.long),
                          ids(MEMORY_RESPONSE), torch.ones(MEMORY_ROWS, MEMORY_RESPONSE, dtype=torch.long))
     batch = batch.replace(advantages=torch.randn(MEMORY_ROWS, MEMORY_RESPONSE, generator=g))
-    old, _ = worker.compute_log_prob(batch)
+    old, _, _ = worker.compute_log_prob(batch)
     worker.update_actor(batch.replace(old_logp=old, ref_logp=worker.compute_ref_log_prob(batch)))
     peak = _peak_rss_bytes()
     return {"peak_above_start_GB": (peak - before) / 1e9, "peak_rss_GB": peak / 1e9}

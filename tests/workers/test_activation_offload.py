@@ -36,7 +36,7 @@ def _update(worker, monkeypatch) -> tuple[dict, int]:
     monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", Counting)
     batch = make_batch(seed=43)
     mask = batch.response_mask
-    old, _ = worker.compute_log_prob(batch)
+    old, _, _ = worker.compute_log_prob(batch)
     values = worker.compute_values(batch)
     train = batch.replace(old_logp=old, values=values, returns=(torch.linspace(-1, 1, mask.shape[1]) * mask).contiguous())
     metrics = {**worker.update_actor(train), **worker.update_critic(train)}

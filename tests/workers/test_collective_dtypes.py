@@ -117,7 +117,7 @@ def _rank_main(rank: int, model_path: str, port: int, out_dir: str) -> None:
             batch = rows.select(list(range(rank * len(rows) // WORLD_SIZE, (rank + 1) * len(rows) // WORLD_SIZE)))
             mask = batch.response_mask
             recorder.phase = "log_prob"
-            old_logp, _ = worker.compute_log_prob(batch)
+            old_logp, _, _ = worker.compute_log_prob(batch)
             ref_logp = worker.compute_ref_log_prob(batch)
             values = worker.compute_values(batch)
             returns = (torch.linspace(-1, 1, mask.shape[1]) * mask).contiguous()
