@@ -536,6 +536,15 @@ def test_optimal_token_baseline_needs_sum_pi_squared_from_a_recomputed_old_log_p
         assert not derive(load_config(one_mini_batch + extra), 2).old_logp_from_update
 
 
+def test_loss_scale_factor_of_actor_and_critic():
+    d = derive(load_config(BASE + ["actor_rollout_ref.actor.loss_scale_factor=4096", "critic.loss_scale_factor=512"]), 2)
+    assert (d.agg_horizon, d.critic_agg_horizon) == (4096, 512)
+    d = derive(load_config(BASE), 2)
+    assert d.agg_horizon == d.critic_agg_horizon == d.response_length
+    with pytest.raises(ConfigError, match=r"^critic\.loss_scale_factor=0: expected a positive count or null$"):
+        load_config(BASE + ["critic.loss_scale_factor=0"])
+
+
 def test_max_samples_and_validation_shuffle_are_verls_keys():
     cfg = load_config(BASE + ["data.train_max_samples=100", "data.val_max_samples=20", "data.validation_shuffle=True"])
     assert (cfg.data.train_max_samples, cfg.data.val_max_samples, cfg.data.validation_shuffle) == (100, 20, True)

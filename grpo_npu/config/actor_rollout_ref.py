@@ -194,6 +194,8 @@ class ActorConfig:
     """Leave responses cut at the length limit without eos (stop_reason 'length') out of the policy, KL and entropy losses (TRL's name)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (loss -= coeff x entropy)."""
+    loss_scale_factor: Optional[int] = None
+    """The constant loss_agg_mode=seq-mean-token-sum-norm divides by (None: data.max_response_length)."""
     calculate_entropy: bool = False
     """Compute the entropy in the update's forward and log it as actor/entropy_loss (always so when entropy_coeff != 0)."""
     calculate_sum_pi_squared: bool = False

@@ -48,6 +48,8 @@ class Derived:
     ref_log_prob_max_token_len: int
     old_logp_from_update: bool = False  # old log-probs come from the update's forward (actor.old_log_prob=auto, no rollout correction)
     old_logp_from_rollout: bool = False  # the engine's log-probs are the old ones (algorithm.rollout_correction.bypass_mode)
+    agg_horizon: int = 0  # the seq-mean-token-sum-norm divisor of the actor's losses: actor.loss_scale_factor, else response_length
+    critic_agg_horizon: int = 0  # ... of the value loss: critic.loss_scale_factor, else the actor's
     max_token_len: int = 0  # the actor update's micro-batch token budget: ppo_max_token_len_per_gpu x sp (a group's)
     critic_max_token_len: int = 0  # ... the critic update's
     sp: int = 1  # Ulysses sequence-parallel ranks of the actor (old log-probs, update): they share each micro-batch
@@ -164,6 +166,9 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
                               and not rollout_correction_on(cfg) and not actor.calculate_sum_pi_squared
                               and not alg.rollout_correction.bypass_mode),
         old_logp_from_rollout=alg.rollout_correction.bypass_mode,
+        agg_horizon=actor.loss_scale_factor or rollout.response_length or d.max_response_length,
+        critic_agg_horizon=(critic.loss_scale_factor or actor.loss_scale_factor or rollout.response_length
+                            or d.max_response_length),
         max_token_len=actor.ppo_max_token_len_per_gpu * sp,
         critic_max_token_len=critic.ppo_max_token_len_per_gpu * critic_sp,
         sp=sp, ref_sp=ref_sp, critic_sp=critic_sp,

@@ -131,6 +131,8 @@ class CriticConfig:
     """Value clipping range."""
     loss_agg_mode: Optional[str] = None
     """Value-loss aggregation (None: actor.loss_agg_mode)."""
+    loss_scale_factor: Optional[int] = None
+    """The constant loss_agg_mode=seq-mean-token-sum-norm divides the value loss by (None: actor.loss_scale_factor)."""
     ulysses_sequence_parallel_size: int = 1
     """Ulysses sequence parallelism of the critic (1: off; needs critic.model.use_remove_padding)."""
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)

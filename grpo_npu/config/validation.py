@@ -224,6 +224,8 @@ def validate(cfg: Config) -> None:
         require(not tr.val_only, "trainer.val_only=True validates only, but data.val_files is empty")
         require(tr.test_freq <= 0, f"trainer.test_freq={tr.test_freq} validates every {tr.test_freq} steps, but "
                                    "data.val_files is empty: name the validation files, or set test_freq=-1")
+    for key, factor in (("actor_rollout_ref.actor", actor.loss_scale_factor), ("critic", cfg.critic.loss_scale_factor)):
+        require(factor is None or factor > 0, f"{key}.loss_scale_factor={factor}: expected a positive count or null")
     for key in ("train_max_samples", "val_max_samples"):
         require(getattr(d, key) == -1 or getattr(d, key) > 0, f"data.{key}={getattr(d, key)}: expected -1 (all) or > 0")
     crf = cfg.custom_reward_function

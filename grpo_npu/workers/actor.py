@@ -126,7 +126,7 @@ class Actor(Policy):
             module, dev, cfg.optim, cfg.fsdp_config, grad_clip=cfg.grad_clip, total_steps=total_steps,
             micro_size=derived.micro_batch_per_rank,
             max_tokens=derived.max_token_len if cfg.use_dynamic_bsz else None,
-            horizon=derived.response_length, shuffle_seed=shuffle_seed if cfg.shuffle else None,
+            horizon=derived.agg_horizon, shuffle_seed=shuffle_seed if cfg.shuffle else None,
             offload_activations=offload_activations and dev.is_accelerator,  # on the host they are there already
         )
 
@@ -148,7 +148,7 @@ class Actor(Policy):
         device = self.dev.torch_device()
         num_tokens, num_seqs = global_counts(mask, device)
         part = losses.agg_loss(values, mask, self.cfg.loss_agg_mode, num_tokens=num_tokens.cpu(),
-                               num_seqs=num_seqs.cpu(), horizon=self.derived.response_length)
+                               num_seqs=num_seqs.cpu(), horizon=self.derived.agg_horizon)
         return float(fsdp.all_reduce(part.reshape(1).to(device)).item())  # (1,) float32
 
     # -- update ---------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ class Critic:
             module, dev, cfg.optim, cfg.model.fsdp_config, grad_clip=cfg.grad_clip, total_steps=total_steps,
             micro_size=derived.critic_micro_batch_per_rank,
             max_tokens=derived.critic_max_token_len if self.dynamic_bsz else None,
-            horizon=derived.response_length, shuffle_seed=seed if cfg.shuffle else None,
+            horizon=derived.critic_agg_horizon, shuffle_seed=seed if cfg.shuffle else None,
             offload_activations=cfg.model.enable_activation_offload and dev.is_accelerator,  # host memory already on CPU
         )
         if self.param_offload and dev.is_accelerator:

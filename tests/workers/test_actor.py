@@ -487,3 +487,18 @@ def test_shared_prompt_update_equals_padded(tiny_model_path):
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
         assert metrics[key] == pytest.approx(base[key], rel=1e-5, abs=1e-7), key  # kl ~1e-3 from ~1e-6 logp noise
     assert max_abs_diff(weights, base_weights) < 1e-7
+
+
+def test_loss_scale_factor_is_the_constant_of_seq_mean_token_sum_norm(tiny_model_path):
+    """verl's actor.loss_scale_factor: the seq-mean-token-sum-norm loss is divided by it instead of
+    data.max_response_length, so its gradient scales by their ratio; other modes ignore the divisor."""
+    batch = _ppo_batch(tiny_model_path, seed=3)
+    norm = "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"
+    plain = make_worker(make_cfg(tiny_model_path, norm))
+    scaled = make_worker(make_cfg(tiny_model_path, norm, "actor_rollout_ref.actor.loss_scale_factor=4"))
+    horizon = plain.derived.agg_horizon
+    assert (horizon, scaled.derived.agg_horizon, scaled.derived.critic_agg_horizon) == (
+        plain.derived.response_length, 4, 4)  # the critic follows the actor's, as verl interpolates it
+    got, want = _actor_grads(scaled, batch), _actor_grads(plain, batch)
+    assert max(float((got[k] - want[k] * horizon / 4).abs().max()) for k in got) < 1e-6
+    assert max(float(want[k].abs().max()) for k in want) > 1e-4
