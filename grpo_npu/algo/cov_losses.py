@@ -55,7 +55,8 @@ def clip_cov_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2, cl
     candidates = torch.nonzero((cov > clip_cov_lb) & (cov < clip_cov_ub) & valid & ~bound_by_clip)  # (K, 2)
     keep = torch.ones_like(adv)
     if len(candidates):
-        chosen = candidates[_draw(len(candidates), adv, mask).to(candidates.device)[: max(int(clip_cov_ratio * int(valid.sum())), 1)]]
+        share = max(int(clip_cov_ratio * int(valid.sum())), 1)
+        chosen = candidates[_draw(len(candidates), adv, mask).to(candidates.device)[:share]]
         keep[chosen[:, 0], chosen[:, 1]] = 0.0
     per_token = torch.maximum(loss_unclipped, loss_clipped) * keep
     loss = agg_loss(is_weighted(per_token, rollout_is_weights), mask, agg_mode, **agg_kwargs)
