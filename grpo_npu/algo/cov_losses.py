@@ -14,7 +14,7 @@ import torch
 from grpo_npu.algo.loss_base import agg_loss, check_policy_inputs, is_weighted, register_policy_loss
 from grpo_npu.algo.masked import acc_dtype, masked_mean
 
-# Integer weights of the micro-batch content that seed Clip-Cov's draw among its candidate tokens.
+# Clip-Cov seeds its draw among the candidate tokens with the micro-batch's content, taken modulo this (a valid seed).
 _SEED_MODULUS = 2**31 - 1
 
 
