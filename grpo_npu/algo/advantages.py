@@ -125,6 +125,11 @@ def _valid_mask(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) 
     return response_mask.bool()
 
 
+def _reward_to_go(token_level_rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B, T) the undiscounted sum of the rewards at valid tokens from t on (rewards off the mask ignored)."""
+    return masked_values(token_level_rewards, valid).flip(-1).cumsum(-1).flip(-1)
+
+
 def _sequence_scores(token_level_rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """s_i = sum_t of the rewards on valid tokens, (B,)."""
     return masked_values(token_level_rewards, valid).sum(-1)
@@ -261,9 +266,9 @@ def optimal_token_baseline_advantage(
     for name, t in (("old_logp", old_logp), ("sum_pi_squared", sum_pi_squared), ("rollout_is_weights", rollout_is_weights)):
         if t is not None and t.shape != valid.shape:
             raise ValueError(f"optimal_token_baseline: {name} {tuple(t.shape)}, expected {tuple(valid.shape)}")
-    dtype = acc_dtype(token_level_rewards)
+    returns = _reward_to_go(token_level_rewards, valid)  # (B, T) G_t
+    dtype = returns.dtype
     m = valid.to(dtype)
-    returns = (token_level_rewards.to(dtype) * m).flip(-1).cumsum(-1).flip(-1)  # (B, T) G_t
     w = score_norm_proxy(old_logp.to(dtype), sum_pi_squared.to(dtype))
     if rollout_is_weights is not None:
         w = w * rollout_is_weights.to(dtype).square()
@@ -316,8 +321,7 @@ def remax_advantage(
     valid = _valid_mask(token_level_rewards, response_mask)
     if reward_baselines.shape != token_level_rewards.shape[:1]:
         raise ValueError(f"reward_baselines: expected ({token_level_rewards.shape[0]},), got {tuple(reward_baselines.shape)}")
-    returns = masked_values(token_level_rewards, valid).flip(-1).cumsum(-1).flip(-1)
-    returns = masked_values(returns, valid)
+    returns = masked_values(_reward_to_go(token_level_rewards, valid), valid)
     advantages = returns - _broadcast(reward_baselines.to(returns.dtype), valid)
     return advantages, returns
 

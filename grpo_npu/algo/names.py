@@ -59,6 +59,12 @@ ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum
                       "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 
 
+def _bounds(spec: str) -> tuple[float | None, float]:
+    """(lower or None, upper) of a "lower_upper" or "upper" threshold; ValueError if either is not a number."""
+    lower, _, upper = spec.partition("_") if "_" in spec else ("", "", spec)
+    return (float(lower) if lower else None), float(upper)
+
+
 def parse_rollout_is_threshold(threshold) -> tuple[float, float | None]:
     """``rollout_is_threshold`` as (upper, lower or None), in verl 0.9.1's way: one number is truncated IS (TIS:
     weights clamped to it); "lower_upper" is IcePop (weights outside [lower, upper] set to 0). ValueError naming the
@@ -66,8 +72,7 @@ def parse_rollout_is_threshold(threshold) -> tuple[float, float | None]:
     key = "algorithm.rollout_correction.rollout_is_threshold"
     spec = str(threshold).strip()
     try:
-        lower_s, _, upper_s = spec.partition("_") if "_" in spec else ("", "", spec)
-        upper, lower = float(upper_s), (float(lower_s) if lower_s else None)
+        lower, upper = _bounds(spec)
     except ValueError:
         raise ValueError(f"{key}={threshold!r}: expected one upper bound (2.0) or 'lower_upper' bounds (0.5_2.0)") from None
     if not upper > 0 or (lower is not None and not 0 < lower <= upper):
@@ -101,9 +106,8 @@ def parse_rollout_rs(rollout_rs: str, threshold) -> tuple[tuple[str, float | Non
     for option, spec in zip(options, specs):
         try:
             if option.endswith("k1"):
-                lower_s, _, upper_s = spec.partition("_") if "_" in spec else ("", "", spec)
-                upper = float(upper_s)
-                lower = float(lower_s) if lower_s else 1.0 / upper
+                lower, upper = _bounds(spec)
+                lower = lower if lower is not None else 1.0 / upper
             elif "_" in spec:
                 raise ValueError
             else:

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from grpo_npu.algo.losses import agg_loss, ppo_clip_loss
+from grpo_npu.algo.losses import gpg_loss, ppo_clip_loss
 from grpo_npu.algo.masked import acc_dtype, masked_mean, masked_sum
 from grpo_npu.algo.names import ROLLOUT_IS_LEVELS, parse_rollout_is_threshold, parse_rollout_rs
 from grpo_npu.batch import RolloutBatch
@@ -364,11 +364,10 @@ def bypass_policy_loss(
         loss, metrics = ppo_clip_loss(logp, rollout_logp, advantages, loss_mask, clip_low=clip_low, clip_high=clip_high,
                                       clip_c=clip_c, agg_mode=agg_mode, **agg_kwargs)
         return loss, metrics, corr
+    # REINFORCE with the IS weights: GPG's loss -A w logp; verl's metric is the mean log ratio against the engine
+    loss, _ = gpg_loss(logp, rollout_logp, advantages, loss_mask, agg_mode=agg_mode, rollout_is_weights=weights,
+                       **agg_kwargs)
     dtype = acc_dtype(logp)
-    per_token = -advantages.to(dtype) * logp.to(dtype)  # (b, T)
-    if weights is not None:
-        per_token = per_token * weights.to(dtype)
-    loss = agg_loss(per_token, loss_mask, agg_mode, **agg_kwargs)
     with torch.no_grad():
         metrics = {"ppo_kl": masked_mean(rollout_logp.to(dtype) - logp.to(dtype), loss_mask)}
     return loss, metrics, corr
