@@ -138,6 +138,7 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
               else actor.use_dynamic_bsz or lp_micro is None)
     ref_dyn = (arr.ref.log_prob_use_dynamic_bsz if arr.ref.log_prob_use_dynamic_bsz is not None
                else actor.use_dynamic_bsz or (ref_micro is None and lp_micro is None))
+    response_length = rollout.response_length or d.max_response_length
     return Derived(
         world_size=ws, n=n,
         train_batch_responses=train_responses,
@@ -153,7 +154,7 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
         values_micro_batch_per_rank=critic.forward_micro_batch_size_per_gpu or critic_micro,
         values_max_token_len=(critic.forward_max_token_len_per_gpu or critic.ppo_max_token_len_per_gpu) * critic_sp,
         prompt_length=rollout.prompt_length or d.max_prompt_length,
-        response_length=rollout.response_length or d.max_response_length,
+        response_length=response_length,
         clip_low=clip_low, clip_high=clip_high,
         use_critic=bool(use_critic),
         use_reference=actor.use_kl_loss or alg.use_kl_in_reward,
@@ -166,9 +167,8 @@ def derive(cfg: Config, world_size: int | None = None) -> Derived:
                               and not rollout_correction_on(cfg) and not actor.calculate_sum_pi_squared
                               and not alg.rollout_correction.bypass_mode),
         old_logp_from_rollout=alg.rollout_correction.bypass_mode,
-        agg_horizon=actor.loss_scale_factor or rollout.response_length or d.max_response_length,
-        critic_agg_horizon=(critic.loss_scale_factor or actor.loss_scale_factor or rollout.response_length
-                            or d.max_response_length),
+        agg_horizon=actor.loss_scale_factor or response_length,
+        critic_agg_horizon=critic.loss_scale_factor or actor.loss_scale_factor or response_length,
         max_token_len=actor.ppo_max_token_len_per_gpu * sp,
         critic_max_token_len=critic.ppo_max_token_len_per_gpu * critic_sp,
         sp=sp, ref_sp=ref_sp, critic_sp=critic_sp,

@@ -64,9 +64,8 @@ class Policy:
 
             outs = forward_in_micro_batches(run, batch, size=micro_size, max_tokens=max_tokens, dev=self.dev)
             fsdp.reshard_all(self.module)  # the root stays gathered after a forward without backward
-        logp = outs.pop(0)
-        entropy = outs.pop(0) if with_entropy else None
-        return (logp, entropy, outs.pop(0)) if with_sum_pi_squared else (logp, entropy)
+        logp, *rest = outs
+        return (logp, rest.pop(0) if with_entropy else None, *rest)  # rest: [entropy][, sum_sq]
 
 
     @torch.no_grad()

@@ -81,13 +81,9 @@ class CausalLMLogProbs(ResponseModel):
         weight = self.hf.get_output_embeddings().weight  # (V, H), gathered by the root's FSDP hook
         out = linear_logprobs(h, weight.to(h.dtype), labels, temperature=temperature, with_entropy=with_entropy,
                               onednn=self.onednn_linear, with_sum_pi_squared=with_sum_pi_squared)
-        values = list(gather(*(out if isinstance(out, tuple) else (out,))))  # (N,) each: logp[, entropy][, sum_sq]
         valid = inputs.response_valid
-        logp = scatter_valid(values.pop(0), valid)
-        entropy = scatter_valid(values.pop(0), valid) if with_entropy else None
-        if with_sum_pi_squared:
-            return logp, entropy, scatter_valid(values.pop(0), valid)
-        return logp, entropy
+        logp, *rest = (scatter_valid(v, valid) for v in gather(*(out if isinstance(out, tuple) else (out,))))
+        return (logp, rest.pop(0) if with_entropy else None, *rest)  # rest: [entropy][, sum_sq]
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(b, L, V) logits of the wrapped model's plain forward, gathered as for ``generate``: the transformers
