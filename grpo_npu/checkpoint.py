@@ -21,7 +21,6 @@ directories.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import pickle
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from grpo_npu.config import to_dict
 from grpo_npu.errors import UserError, WorkerError
 from grpo_npu.io import commit_dir, write_atomic
 from grpo_npu.names import RESUME_MODES
@@ -352,8 +352,31 @@ def save_plan(save_freq: int, total_steps: int, run_dir: os.PathLike, max_to_kee
 def optim_settings(cfg) -> dict[str, dict]:
     """The ``*.optim`` sections a checkpoint records (plain data), to tell a resume what changed."""
     sections = {"actor_rollout_ref.actor.optim": cfg.actor_rollout_ref.actor.optim, "critic.optim": cfg.critic.optim}
-    return {key: {f.name: (list(v) if isinstance(v := getattr(o, f.name), tuple) else v)
-                  for f in dataclasses.fields(o)} for key, o in sections.items()}
+    return {key: to_dict(o) for key, o in sections.items()}
+
+
+def optim_changes(saved: dict[str, dict], cfg) -> list[str]:
+    """What a resume changes in the ``*.optim`` sections the checkpoint recorded (``key old -> new``); a changed
+    optimizer class whose state would be loaded is refused (:func:`check_same_optimizer`)."""
+    now = optim_settings(cfg)
+    check_same_optimizer(saved, now,
+                         loads_actor_optimizer="optimizer" in cfg.actor_rollout_ref.actor.checkpoint.load_contents)
+    return changed_settings(saved, now)
+
+
+def check_same_optimizer(saved: dict[str, dict], now: dict[str, dict], *, loads_actor_optimizer: bool) -> None:
+    """Refuse a resume whose optimizer class differs from the one whose state the checkpoint holds (its
+    moments would be loaded into another algorithm): one line naming the keys."""
+    for section, fields in now.items():
+        if section not in saved or (section.startswith("actor_rollout_ref") and not loads_actor_optimizer):
+            continue
+        old = (saved[section].get("optimizer_impl", "torch.optim"), saved[section].get("optimizer", "AdamW"))
+        new = (fields["optimizer_impl"], fields["optimizer"])
+        if old != new:
+            raise UserError(f"{section}.optimizer={new[1]} ({new[0]}): the checkpoint holds the state of "
+                            f"{old[0]}.{old[1]}; resume with that optimizer, or start a new run"
+                            + (" (or leave the optimizer out of actor_rollout_ref.actor.checkpoint.load_contents)"
+                               if section.startswith("actor_rollout_ref") else ""))
 
 
 def changed_settings(saved: dict[str, dict], now: dict[str, dict]) -> list[str]:

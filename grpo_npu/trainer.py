@@ -21,7 +21,7 @@ from grpo_npu.algo.dapo import filter_groups, filter_metric_values
 from grpo_npu.algo.kl import apply_kl_in_reward, make_kl_controller
 from grpo_npu.algo.rollout_corr import correct_batch
 from grpo_npu.batch import RolloutBatch, balance_order, cat_right_padded
-from grpo_npu.checkpoint import CheckpointManager, changed_settings, load_state_file, optim_settings, save_plan
+from grpo_npu.checkpoint import CheckpointManager, load_state_file, optim_changes, optim_settings, save_plan
 from grpo_npu.cluster import Workers
 from grpo_npu.data.rl_dataset import PromptBatch, PromptLoader, RLDataset
 from grpo_npu.data.tokenizer import load_tokenizer
@@ -42,6 +42,7 @@ from grpo_npu.rundir import RunDirLock, prepare_fresh_start
 from grpo_npu.samples import decode_samples, write_jsonl
 from grpo_npu.step_limits import StepLimits
 from grpo_npu.tracking import Tracker
+from grpo_npu.workers.optim import check_optimizers
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class Trainer:
                                   if "reward_baselines" in estimator_inputs(cfg.algorithm.adv_estimator) else None)  # ReMax
         if workers is None:  # a caller that brings its own workers has built them from its own inputs
             check_inputs(cfg, use_critic=self.derived.use_critic)
+            check_optimizers(cfg, use_critic=self.derived.use_critic)
         self.run_dir = Path(t.default_local_dir)
         self.lock = RunDirLock(self.run_dir).acquire()  # before anything is written there; released by close()
         self.run_log = attach_run_log(self.run_dir)  # train.log: everything, tracebacks included
@@ -360,13 +362,13 @@ class Trainer:
             return
         step, path = self.resume_from
         state = load_state_file(Path(path) / TRAINER_STATE)
+        changed = optim_changes(state.get("optim", {}), self.cfg)
         self.workers.load_checkpoint(str(path))
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.device.set_rng_state(state["rng"])
         self.global_step = int(state["global_step"])
         self.tracker.truncate_after(self.global_step)
-        changed = changed_settings(state.get("optim", {}), optim_settings(self.cfg))
         if changed:
             log.warning("resumed with changed optimizer settings, honoured from here on: %s", "; ".join(changed))
         saved_world = int(state.get("world_size", self.world_size))

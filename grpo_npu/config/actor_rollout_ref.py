@@ -111,7 +111,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = 1e-6
-    """Peak learning rate of AdamW."""
+    """Peak learning rate."""
     lr_warmup_steps: int = -1
     """Warmup steps (-1: use lr_warmup_steps_ratio)."""
     lr_warmup_steps_ratio: float = 0.0
@@ -122,14 +122,22 @@ class OptimConfig:
     """Cosine cycles over the run (0.5: a single decay to the floor)."""
     warmup_style: str = choice("constant", WARMUP_STYLES)
     """LR schedule after warmup: constant|cosine."""
+    zero_indexed_step: bool = True
+    """Cosine schedule only: False counts optimizer steps from 1 (the schedule one step ahead), as verl's torchtitan engine."""
     weight_decay: float = 0.01
-    """AdamW decoupled weight decay."""
+    """Weight decay (decoupled in AdamW); passed to every optimizer."""
     betas: List[float] = many([0.9, 0.999])
-    """AdamW betas."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
+    """Betas, passed to an optimizer whose name contains adam or ademamix (as verl)."""
+    eps: Optional[float] = None
+    """Epsilon (null: the optimizer's own default, 1e-8 for AdamW)."""
+    optimizer: str = "AdamW"
+    """Optimizer class name in optimizer_impl (e.g. AdamW, Adam, SGD; AdamW8bit in bitsandbytes.optim)."""
+    optimizer_impl: str = "torch.optim"
+    """Module the optimizer class is imported from (torch.optim, torchao.optim, bitsandbytes.optim, your own)."""
+    override_optimizer_config: Optional[Dict[str, Any]] = free_dict()
+    """Extra keyword arguments of the optimizer class, over the ones above (e.g. +...override_optimizer_config.momentum=0.9)."""
     impl: str = choice("auto", OPTIM_IMPLS)
-    """How AdamW steps: auto (fused on cpu/cuda, foreach elsewhere) | fused | foreach | for_loop."""
+    """How a torch.optim optimizer steps: auto (fused AdamW/Adam on cpu/cuda, else foreach where the class has it) | fused | foreach | for_loop."""
     total_training_steps: int = -1
     """Steps the schedule spans (-1: the trainer's total steps)."""
 

@@ -41,7 +41,7 @@ from grpo_npu.config import FSDPConfig, OptimConfig
 from grpo_npu.device import Device
 from grpo_npu.workers import fsdp
 from grpo_npu.workers.micro_batch import plan_micro_batches, trim_padding
-from grpo_npu.workers.optim import build_optimizer, build_scheduler, optimizer_device
+from grpo_npu.workers.optim import build_optimizer, build_scheduler, optimizer_device, optimizer_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class UpdateStats:
 
 
 class UpdateLoop:
-    """A sharded module's AdamW, LR schedule, mini-batch shuffle and update loop.
+    """A sharded module's optimizer, LR schedule, mini-batch shuffle and update loop.
 
     ``micro_size`` / ``max_tokens`` plan the micro-batches (``max_tokens`` set: dynamic batch size);
     ``horizon`` is the ``agg_loss`` horizon (data.max_response_length); ``shuffle_seed`` None keeps
@@ -167,7 +167,7 @@ class UpdateLoop:
     def load_extra(self, extra: dict) -> None:
         """Restore the schedule position and shuffle state; this run's ``*.optim`` settings win.
 
-        The checkpoint's optimizer state carries the peak lr, betas, eps and weight decay it was written with,
+        The checkpoint's optimizer state carries the peak lr and the other hyperparameters it was written with,
         and the scheduler its peak lr; a resume with changed settings honours the new ones (the trainer warns,
         listing them). The schedule's shape (warmup, style, span) always comes from this run's config.
         """
@@ -177,9 +177,9 @@ class UpdateLoop:
         o = self.optim
         self.scheduler.base_lrs = [o.lr] * len(self.optimizer.param_groups)
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        hyper = optimizer_kwargs(type(self.optimizer), o, None)
         for group in self.optimizer.param_groups:
-            group.update(lr=o.lr * factor, initial_lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                         weight_decay=o.weight_decay)
+            group.update({k: v for k, v in hyper.items() if k in group}, lr=o.lr * factor, initial_lr=o.lr)
         self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 
