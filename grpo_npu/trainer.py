@@ -19,6 +19,7 @@ from grpo_npu import config as C
 from grpo_npu.algo.advantages import batch_advantages, estimator_inputs
 from grpo_npu.algo.dapo import filter_groups, filter_metric_values
 from grpo_npu.algo.kl import apply_kl_in_reward, make_kl_controller
+from grpo_npu.algo.pf_ppo import resample_batch
 from grpo_npu.algo.rollout_corr import correct_batch
 from grpo_npu.batch import RolloutBatch, balance_order, cat_right_padded
 from grpo_npu.checkpoint import CheckpointManager, load_state_file, optim_changes, optim_settings, save_plan
@@ -74,7 +75,8 @@ class Trainer:
         self.lock = RunDirLock(self.run_dir).acquire()  # before anything is written there; released by close()
         self.run_log = attach_run_log(self.run_dir)  # train.log: everything, tracebacks included
         try:
-            self._log_doctor()
+            rollout = cfg.actor_rollout_ref.rollout
+            log_checks(run_checks(sleep_mode=rollout.name == "vllm" and rollout.enable_sleep_mode), log)
 
             self.tokenizer = load_tokenizer(cfg)
             self.train_set = RLDataset.from_config("train_files", self.tokenizer, cfg.data)
@@ -296,7 +298,11 @@ class Trainer:
                 self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=len(batch))
             batch = correct_batch(batch, alg.rollout_correction, metrics)  # rollout IS weights / rejection (verl's order)
             adv, ret = batch_advantages(batch, rewards, alg)
-        return batch.replace(token_level_rewards=rewards, advantages=adv, returns=ret), metrics
+            batch = batch.replace(token_level_rewards=rewards, advantages=adv, returns=ret)
+            if alg.use_pf_ppo:  # PF-PPO: the update (and the step's metrics) see a score-weighted resample
+                batch = resample_batch(batch, alg.pf_ppo.reweight_method, alg.pf_ppo.weight_pow,
+                                       seed=self.cfg.trainer.seed + (self.global_step + 1) * SEED_STRIDE)
+        return batch, metrics
 
     def update(self, batch: RolloutBatch, step: int, timer: Timer) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -434,10 +440,6 @@ class Trainer:
         if self.limits.reports:
             for line in filter(None, (self.limits.verdict(), self.limits.advice())):
                 log.info(line)
-
-    def _log_doctor(self) -> None:
-        rollout = self.cfg.actor_rollout_ref.rollout
-        log_checks(run_checks(sleep_mode=rollout.name == "vllm" and rollout.enable_sleep_mode), log)
 
     def close(self) -> None:
         for closer in (self._log_limits, self.tracker.close, self.reward_fn.close, self.val_reward_fn.close,

@@ -13,7 +13,7 @@ import pytest
 
 import grpo_npu
 from grpo_npu import metrics
-from grpo_npu.algo import advantages, cov_losses, dapo, groups, kl, loss_base, losses, masked, rollout_corr
+from grpo_npu.algo import advantages, cov_losses, dapo, groups, kl, loss_base, losses, masked, pf_ppo, rollout_corr
 from grpo_npu.algo import names as algo_names
 from grpo_npu.reward import custom, gsm8k, manager, math as math_reward, parallel, score
 from grpo_npu.reward import known_data_sources
@@ -34,6 +34,7 @@ QUOTED = set(re.findall(r"`([^`\n]+)`", PROSE))
         ("loss_agg_mode", list(losses.AGG_MODES)),
         ("rollout_correction.rollout_is", list(algo_names.ROLLOUT_IS_LEVELS)),
         ("rollout_correction.rollout_rs", list(algo_names.ROLLOUT_RS_OPTIONS)),
+        ("pf_ppo.reweight_method", list(algo_names.PF_PPO_REWEIGHT_METHODS)),
         ("reward_manager", list(REWARD_MANAGERS)),
         ("data_source", known_data_sources()),
     ],
@@ -61,6 +62,7 @@ def test_every_registered_name_is_described(kind, names):
                         "probs_diff_metrics", "correct_batch", "SAFETY_BOUND"]),
         (groups, ["group_stats"]),
         (dapo, ["filter_groups", "overlong_penalty"]),
+        (pf_ppo, ["resample_batch"]),
         (manager, ["NaiveRewardManager", "DAPORewardManager"]),
         (score, ["compute_score"]),
         (custom, ["load_function", "FileFunction"]),

@@ -119,3 +119,5 @@ def parse_rollout_rs(rollout_rs: str, threshold) -> tuple[tuple[str, float | Non
             raise ValueError(f"{tkey}={threshold!r}: {option} needs positive bounds, got {spec!r}")
         parsed.append((option, lower, upper))
     return tuple(parsed)
+# algorithm.pf_ppo.reweight_method: the resampling weight of PF-PPO (pf_ppo.resample_weights)
+PF_PPO_REWEIGHT_METHODS = ("pow", "max_min", "max_random")

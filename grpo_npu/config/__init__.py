@@ -49,6 +49,7 @@ from grpo_npu.config.schema import (
     FilterGroupsConfig,
     KLCtrlConfig,
     OverlongBufferConfig,
+    PfPpoConfig,
     RayInitConfig,
     RewardModelConfig,
     RolloutCorrectionConfig,
@@ -65,7 +66,7 @@ __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "CheckpointConfig", "Config", "CriticConfig",
     "CriticModelConfig", "CustomRewardFunctionConfig", "DataConfig", "FSDPConfig", "FilterGroupsConfig",
     "KLCtrlConfig", "MixedPrecisionConfig", "ModelConfig", "OptimConfig", "OverlongBufferConfig",
-    "PolicyLossConfig", "RayInitConfig", "RefConfig", "RewardModelConfig", "RolloutConfig", "RolloutCorrectionConfig",
+    "PfPpoConfig", "PolicyLossConfig", "RayInitConfig", "RefConfig", "RewardModelConfig", "RolloutConfig", "RolloutCorrectionConfig",
     "SyncCheckConfig", "TrainerConfig", "ValKwargsConfig", "choice", "free_dict", "many",
     # keys, loading, validation, derived values, the command line
     "KeySpec", "iter_keys", "FrozenDict", "load_config", "parse_overrides", "to_dict", "to_yaml", "validate",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from grpo_npu.algo.names import ADV_ESTIMATORS, BYPASS_LOSS_TYPES, KL_CTRL_TYPES, KL_TYPES
+from grpo_npu.algo.names import ADV_ESTIMATORS, BYPASS_LOSS_TYPES, KL_CTRL_TYPES, KL_TYPES, PF_PPO_REWEIGHT_METHODS
 from grpo_npu.config.actor_rollout_ref import ActorRolloutRefConfig, FSDPConfig, OptimConfig
 from grpo_npu.config.fields import choice, free_dict, many
 from grpo_npu.config.profiler import GlobalProfilerConfig, RoleProfilerConfig
@@ -224,6 +224,14 @@ class RolloutCorrectionConfig:
 
 
 @dataclass(frozen=True)
+class PfPpoConfig:
+    reweight_method: str = choice("pow", PF_PPO_REWEIGHT_METHODS)
+    """How a response's score weighs its draw: pow (|score| ** weight_pow) | max_min (only the batch's best and worst) | max_random (best 0.4, others 0.1)."""
+    weight_pow: float = 2.0
+    """The exponent of reweight_method=pow."""
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     gamma: float = 1.0
     """Discount factor (GAE, REINFORCE++)."""
@@ -247,6 +255,10 @@ class AlgorithmConfig:
     """DAPO dynamic sampling."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Rollout-vs-training policy mismatch: truncated IS weights, rejection sampling, rollout_corr/* metrics."""
+    use_pf_ppo: bool = False
+    """PF-PPO (policy filtration, GAE only): resample the batch with replacement, weighted by each response's score, before the update."""
+    pf_ppo: PfPpoConfig = field(default_factory=PfPpoConfig)
+    """PF-PPO's resampling weight."""
 
 
 @dataclass(frozen=True)

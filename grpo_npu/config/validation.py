@@ -213,6 +213,7 @@ def validate(cfg: Config) -> None:
                 "when algorithm.filter_groups.enable=True")
         require(fg.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches must be >= 0 (0: unlimited)")
     _check_rollout_correction(cfg)
+    _check_pf_ppo(alg)
     ob = cfg.reward_model.overlong_buffer
     if ob.enable:
         require(cfg.reward_model.reward_manager == "dapo",
@@ -289,6 +290,22 @@ def _check_gdpo(alg: Any) -> None:
                         "function's result dict to normalise one by one (e.g. ['accuracy_reward', 'format_reward'])")
     require(weights is None or len(weights) == len(keys),
             f"algorithm.gdpo_reward_weights has {len(weights or ())} weights for {len(keys)} gdpo_reward_keys")
+
+
+def _check_pf_ppo(alg) -> None:
+    """algorithm.use_pf_ppo / pf_ppo: GAE only (as verl applies it), and no setting left unread."""
+    pf, default = alg.pf_ppo, type(alg.pf_ppo)()
+    if alg.use_pf_ppo:
+        require(alg.adv_estimator == "gae", f"algorithm.use_pf_ppo=True with algorithm.adv_estimator={alg.adv_estimator}: "
+                "PF-PPO resamples the batch after GAE's advantages, and verl applies it with adv_estimator=gae only")
+        require(pf.weight_pow >= 0 and math.isfinite(pf.weight_pow),
+                f"algorithm.pf_ppo.weight_pow={pf.weight_pow} must be a finite number >= 0")
+        require(pf.reweight_method == "pow" or pf.weight_pow == default.weight_pow,
+                f"algorithm.pf_ppo.weight_pow={pf.weight_pow} is read by reweight_method=pow only "
+                f"(reweight_method={pf.reweight_method})")
+    else:
+        changed = [f"{k}={getattr(pf, k)}" for k in ("reweight_method", "weight_pow") if getattr(pf, k) != getattr(default, k)]
+        require(not changed, f"algorithm.pf_ppo.{changed[0] if changed else ''} is read only with algorithm.use_pf_ppo=True")
 
 
 def _check_rollout_correction(cfg: Config) -> None:
