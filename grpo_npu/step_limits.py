@@ -244,7 +244,8 @@ def memory_plan_metrics(cfg, d: Derived, dev: Device, shape: ModelShape, dtype, 
         fsdp_wrapped=actor_fsdp_wrap_on(arr, dev, world_size),
         optimizer_offload=actor.fsdp_config.optimizer_offload, param_offload=actor.fsdp_config.param_offload,
         kv_cache_bytes=kv, sequence_parallel=d.sp,
-        activation_offload=arr.model.enable_activation_offload and dev.is_accelerator))
+        activation_offload=arr.model.enable_activation_offload and dev.is_accelerator,
+        mlp_tiles=arr.model.tiled_mlp.num_shards if arr.model.tiled_mlp.enabled else 1))
     log.info("%s", memory_table(plan, capacity))
     for message in over_capacity(plan, capacity):
         log.warning("%s", message)

@@ -32,6 +32,7 @@ from grpo_npu.config.actor_rollout_ref import (
     RefConfig,
     RolloutConfig,
     SyncCheckConfig,
+    TiledMlpConfig,
     ValKwargsConfig,
 )
 from grpo_npu.config.command_line import CommandLine, config_from_argv, help_text, split_argv
@@ -67,7 +68,7 @@ __all__ = [
     "CriticModelConfig", "CustomRewardFunctionConfig", "DataConfig", "FSDPConfig", "FilterGroupsConfig",
     "KLCtrlConfig", "MixedPrecisionConfig", "ModelConfig", "OptimConfig", "OverlongBufferConfig",
     "PfPpoConfig", "PolicyLossConfig", "RayInitConfig", "RefConfig", "RewardModelConfig", "RolloutConfig", "RolloutCorrectionConfig",
-    "SyncCheckConfig", "TrainerConfig", "ValKwargsConfig", "choice", "free_dict", "many",
+    "SyncCheckConfig", "TiledMlpConfig", "TrainerConfig", "ValKwargsConfig", "choice", "free_dict", "many",
     # keys, loading, validation, derived values, the command line
     "KeySpec", "iter_keys", "FrozenDict", "load_config", "parse_overrides", "to_dict", "to_yaml", "validate",
     "Derived", "derive", "CommandLine", "config_from_argv", "help_text", "split_argv", "ConfigError",

@@ -61,6 +61,16 @@ class LoraBlockConfig:
 
 
 @dataclass(frozen=True)
+class TiledMlpConfig:
+    """verl's model.tiled_mlp block (actor_rollout_ref.model: the actor and the reference; critic.model)."""
+
+    enabled: bool = False
+    """Run each decoder layer's MLP over its tokens in tiles: backward recomputes one tile at a time (lower activation peak, one more MLP forward per backward; grpo_npu/workers/tiled_mlp.py)."""
+    num_shards: int = 4
+    """Tiles per MLP call (more: lower peak)."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: str = ""
     """Hugging Face model directory (or hub id) of the policy; required."""
@@ -102,6 +112,8 @@ class ModelConfig:
     """Copy the model directory into /dev/shm once per machine; the actor, reference, tokenizer and engine load from there."""
     lora: LoraBlockConfig = field(default_factory=LoraBlockConfig)
     """verl's LoRA block: only ``merge`` is acted on."""
+    tiled_mlp: TiledMlpConfig = field(default_factory=TiledMlpConfig)
+    """Tiled MLP for the actor and the reference."""
     trust_remote_code: bool = False
     """Allow models with custom code."""
     dtype: str = choice("auto", DTYPE_NAMES)

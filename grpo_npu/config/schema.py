@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from grpo_npu.algo.names import ADV_ESTIMATORS, BYPASS_LOSS_TYPES, KL_CTRL_TYPES, KL_TYPES, PF_PPO_REWEIGHT_METHODS
-from grpo_npu.config.actor_rollout_ref import ActorRolloutRefConfig, FSDPConfig, OptimConfig
+from grpo_npu.config.actor_rollout_ref import ActorRolloutRefConfig, FSDPConfig, OptimConfig, TiledMlpConfig
 from grpo_npu.config.fields import choice, free_dict, many
 from grpo_npu.config.profiler import GlobalProfilerConfig, RoleProfilerConfig
 from grpo_npu.data.names import TRUNCATION_MODES
@@ -95,6 +95,8 @@ class CriticModelConfig:
     """Allow models with custom code."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 settings of the critic."""
+    tiled_mlp: TiledMlpConfig = field(default_factory=TiledMlpConfig)
+    """Tiled MLP for the critic."""
 
 
 @dataclass(frozen=True)

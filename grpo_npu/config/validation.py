@@ -214,6 +214,7 @@ def validate(cfg: Config) -> None:
         require(fg.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches must be >= 0 (0: unlimited)")
     _check_rollout_correction(cfg)
     _check_pf_ppo(alg)
+    _check_tiled_mlp(cfg)
     ob = cfg.reward_model.overlong_buffer
     if ob.enable:
         require(cfg.reward_model.reward_manager == "dapo",
@@ -290,6 +291,20 @@ def _check_gdpo(alg: Any) -> None:
                         "function's result dict to normalise one by one (e.g. ['accuracy_reward', 'format_reward'])")
     require(weights is None or len(weights) == len(keys),
             f"algorithm.gdpo_reward_weights has {len(weights or ())} weights for {len(keys)} gdpo_reward_keys")
+
+
+def _check_tiled_mlp(cfg: Config) -> None:
+    """model.tiled_mlp (actor and reference) and critic.model.tiled_mlp: a count >= 1, read only when enabled."""
+    model = cfg.actor_rollout_ref.model
+    for key, block in (("actor_rollout_ref.model.tiled_mlp", model.tiled_mlp),
+                       ("critic.model.tiled_mlp", cfg.critic.model.tiled_mlp)):
+        if block.enabled:
+            require(block.num_shards >= 1, f"{key}.num_shards={block.num_shards} must be >= 1")
+            require(not model.compile_layers, f"{key}.enabled=True with actor_rollout_ref.model.compile_layers=True: "
+                    "the tiles' activation checkpointing inside a compiled layer is untested; set one of them off")
+        else:
+            require(block.num_shards == type(block)().num_shards,
+                    f"{key}.num_shards={block.num_shards} is read only with {key}.enabled=True")
 
 
 def _check_pf_ppo(alg) -> None:

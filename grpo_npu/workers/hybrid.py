@@ -116,6 +116,7 @@ class HybridWorker:
             gradient_checkpointing=model.enable_gradient_checkpointing, fused_kernels=fused, seed=cfg.trainer.seed,
             shared_prefix=share, remove_padding=model.use_remove_padding, onednn_linear=onednn,
             lora=self.lora, compile_layers=compiled, path_key=MODEL_PATH_KEY, sequence_parallel=d.sp,
+            tiled_mlp=model.tiled_mlp,
         )
         self.actor = Actor(actor_module, dev, arr.actor, d, remove_padding=model.use_remove_padding,
                            temperature=arr.rollout.temperature, total_steps=total_steps, seed=cfg.trainer.seed,
@@ -135,7 +136,7 @@ class HybridWorker:
                 gradient_checkpointing=False, fused_kernels=fused, seed=cfg.trainer.seed,
                 shared_prefix=ref_share, remove_padding=model.use_remove_padding, onednn_linear=onednn,
                 compile_layers=compiled, path_key=MODEL_PATH_KEY, sequence_parallel=d.ref_sp,
-                sp_key="actor_rollout_ref.ref",
+                sp_key="actor_rollout_ref.ref", tiled_mlp=model.tiled_mlp,
             )
             self.ref = Policy(ref_module, dev, remove_padding=model.use_remove_padding,
                               temperature=arr.rollout.temperature, param_offload=arr.ref.fsdp_config.param_offload,
@@ -150,6 +151,7 @@ class HybridWorker:
                 gradient_checkpointing=cm.enable_gradient_checkpointing, fused_kernels=fused, value_head=True,
                 seed=cfg.trainer.seed, remove_padding=cm.use_remove_padding, onednn_linear=onednn,
                 compile_layers=compiled, path_key=path_key, sequence_parallel=d.critic_sp, sp_key="critic",
+                tiled_mlp=cm.tiled_mlp, tiled_key="critic.model.tiled_mlp",
             )
             self.critic = Critic(critic_module, dev, cfg.critic, d, default_agg_mode=arr.actor.loss_agg_mode,
                                  total_steps=total_steps, seed=cfg.trainer.seed)

@@ -21,11 +21,12 @@ import torch.distributed as dist
 from torch import nn
 
 from grpo_npu import compat
-from grpo_npu.config import ActorRolloutRefConfig, FSDPConfig, ModelConfig
+from grpo_npu.config import ActorRolloutRefConfig, FSDPConfig, ModelConfig, TiledMlpConfig
 from grpo_npu.device import Device
 from grpo_npu.ops import FUSED_OPS, PATCHABLE_OPS, VARLEN_ATTN_IMPLEMENTATIONS, linear_logprobs, patch_model
 from grpo_npu.workers import compiled_layers, fsdp, fsdp_gather, lora as lora_lib, ulysses
 from grpo_npu.workers.model_inputs import ModelInputs, rows_at, scatter_valid
+from grpo_npu.workers.tiled_mlp import tile_mlps
 
 log = logging.getLogger(__name__)
 
@@ -133,11 +134,14 @@ def build_sharded(
     path_key: str = "model.path",
     sequence_parallel: int = 1,
     sp_key: str = "actor_rollout_ref.actor",
+    tiled_mlp: TiledMlpConfig | None = None,
+    tiled_key: str = "actor_rollout_ref.model.tiled_mlp",
 ) -> ResponseModel:
     """Load (rank 0 reads, others meta), patch, checkpoint, wrap and shard an HF model; weights from rank 0.
     One CPU rank with the defaults gets the model unwrapped, on its device (:func:`fsdp_wrap_on`).
     ``path_key``: the config key that gave ``path``, named when its weights cannot be read. ``sequence_parallel``:
-    Ulysses ranks per group (the section ``sp_key`` set it), which split each packed micro-batch's tokens."""
+    Ulysses ranks per group (the section ``sp_key`` set it), which split each packed micro-batch's tokens.
+    ``tiled_mlp`` (the block at ``tiled_key``): the decoder layers' MLPs run in tiles (:mod:`.tiled_mlp`)."""
     master_dtype = fsdp.resolve_dtype(fsdp_cfg.model_dtype, dev) if trainable else compute_dtype
     config = fsdp.load_hf_config(path, override_config, trust_remote_code=trust_remote_code,
                                  num_labels=1 if value_head else None)
@@ -155,6 +159,8 @@ def build_sharded(
                              device_kind=dev.kind, sequence_parallel=sequence_parallel > 1)
     if patch_ops:
         log.info("patched ops: %s", patch_model(hf_model, ops=patch_ops))
+    if tiled_mlp is not None and tiled_mlp.enabled:  # around whatever the MLP's forward now is (fused, LoRA)
+        tile_mlps(fsdp.decoder_layers(hf_model), tiled_mlp.num_shards, tiled_key)
     if gradient_checkpointing:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         with contextlib.suppress(ValueError):  # a model without .model.layers keeps transformers' setting

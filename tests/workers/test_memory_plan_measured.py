@@ -8,6 +8,8 @@ allocator's retained memory and everything else in the process.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -136,3 +138,28 @@ def test_kept_gathered_layers_are_counted_as_measured(deep_tiny_path, phase, mea
     assert abs((est_off - est_on) - (off - on)) <= 0.3 * (off - on), (est_off - est_on, off - on)
     for est, measured, plan in ((est_on, on, plan_on), (est_off, off, plan_off)):
         assert abs(est - measured) <= 0.3 * measured, (est, measured, plan[phase])
+
+
+# -- model.tiled_mlp: the MLP's intermediates one tile at a time -------------------------------------------------
+# Measured (torch 2.13, CPU, tiny Qwen2, 16 rows x 71 positions, 4 tiles): 33.9 -> 27.3 MiB with checkpointing,
+# 69.7 -> 43.2 MiB without; the plan says 33.2 -> 29.5 and 68.3 -> 49.6.
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_tiled_mlp_lowers_the_update_peak_as_planned(tiny_model_path, checkpointing):
+    rows, response_len, tiles = 16, 64, 4
+    peaks, estimates = {}, {}
+    for n in (1, tiles):
+        cfg = make_cfg(tiny_model_path, f"actor_rollout_ref.model.enable_gradient_checkpointing={checkpointing}",
+                       f"data.max_response_length={response_len}", "data.train_batch_size=16",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                       f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={rows}",
+                       *(["actor_rollout_ref.model.tiled_mlp.enabled=True", f"actor_rollout_ref.model.tiled_mlp.num_shards={n}"]
+                         if n > 1 else []))
+        batch = make_batch(rows=32, response_len=response_len, empty_row=None)
+        peaks[n] = measured_update_peak(make_worker(cfg), batch.replace(old_logp=torch.zeros(batch.response_ids.shape)))
+        inputs = tiny_inputs(tiny_model_path, rows, response_len, checkpointing, reshard_after_forward=False,
+                             fsdp_wrapped=False)
+        estimates[n] = sum(plan_memory(dataclasses.replace(inputs, mlp_tiles=n))["update_actor"].values())
+    saved, planned = peaks[1] - peaks[tiles], estimates[1] - estimates[tiles]
+    assert saved > 0.15 * peaks[1]  # a visible share of the peak
+    assert saved >= 0.5 * planned, (saved, planned)
+    assert abs(estimates[tiles] - peaks[tiles]) <= 0.3 * peaks[tiles], (estimates[tiles], peaks[tiles])
