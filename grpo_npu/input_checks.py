@@ -4,7 +4,7 @@ Each check raises :class:`grpo_npu.errors.UserError` with one line naming the ke
 expected, so a wrong path costs a second instead of a model load and a 30-line traceback from a worker.
 Covered: model directories (exists, has config.json of a causal-LM architecture transformers knows, and a
 tokenizer), the run directory (writable), logger packages and peft for LoRA (importable), the custom reward function
-(importable, callable with verl's keyword arguments).
+(importable, callable with verl's keyword arguments), the model's external_lib (importable).
 """
 
 from __future__ import annotations
@@ -113,6 +113,13 @@ def check_reward_function(path: str | None, name: str) -> None:
                         f"{', '.join(REWARD_ARGS)} (or **kwargs); {name}{signature} lacks {', '.join(missing)}")
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is missing, or an empty name
+        return False
+
+
 def check_inputs(cfg, *, use_critic: bool) -> None:
     """All of the above for a training configuration."""
     model = cfg.actor_rollout_ref.model
@@ -132,3 +139,10 @@ def check_inputs(cfg, *, use_critic: bool) -> None:
         raise UserError(f"actor_rollout_ref.model.lora_rank={model.lora_rank} needs the peft package: "
                         "pip install 'grpo_npu[lora]' (or set lora_rank=0 for full fine-tuning)")
     check_reward_function(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    libs = {"actor_rollout_ref.model.external_lib": model.external_lib}
+    if use_critic:
+        libs["critic.model.external_lib"] = cfg.critic.model.external_lib
+    for key, lib in libs.items():
+        if lib and not _importable(lib):
+            raise UserError(f"{key}={lib}: no such module on the Python path (it is imported before the model loads, "
+                            "to register a custom architecture)")

@@ -130,3 +130,19 @@ def test_lora_without_peft_is_refused_before_workers_start(monkeypatch, tiny_mod
         check_inputs(load_config(base + ["actor_rollout_ref.model.lora_rank=8"]), use_critic=False)
     assert _one_line(err) == ("actor_rollout_ref.model.lora_rank=8 needs the peft package: "
                               "pip install 'grpo_npu[lora]' (or set lora_rank=0 for full fine-tuning)")
+
+
+@pytest.mark.parametrize("key, critic", [("actor_rollout_ref.model.external_lib", False),
+                                         ("critic.model.external_lib", True)])
+def test_an_external_lib_that_does_not_import_is_refused_before_workers_start(tiny_model_path, tmp_path, key, critic):
+    from grpo_npu.config import load_config
+    from grpo_npu.input_checks import check_inputs
+
+    base = [f"actor_rollout_ref.model.path={tiny_model_path}", f"trainer.default_local_dir={tmp_path}",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "critic.ppo_micro_batch_size_per_gpu=8",
+            "trainer.n_gpus_per_node=1"]
+    check_inputs(load_config(base + [f"{key}=json.decoder"]), use_critic=critic)  # importable
+    check_inputs(load_config(base + ["critic.model.external_lib=no_such.pkg"]), use_critic=False)  # no critic: unread
+    with pytest.raises(UserError) as err:
+        check_inputs(load_config(base + [f"{key}=no_such.pkg"]), use_critic=critic)
+    assert _one_line(err).startswith(f"{key}=no_such.pkg: no such module on the Python path")

@@ -93,6 +93,8 @@ class CriticModelConfig:
     """Pack sequences without padding (varlen attention, no (N, N) mask)."""
     trust_remote_code: bool = False
     """Allow models with custom code."""
+    external_lib: Optional[str] = None
+    """A module to import before loading the critic (registers custom architectures)."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 settings of the critic."""
     tiled_mlp: TiledMlpConfig = field(default_factory=TiledMlpConfig)

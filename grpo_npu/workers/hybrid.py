@@ -91,8 +91,9 @@ class HybridWorker:
         if not model.path:
             raise ValueError("actor_rollout_ref.model.path is required")
         self.model_path = shm_copy(model.path) if model.use_shm else model.path  # every load below reads this
-        if model.external_lib:
-            importlib.import_module(model.external_lib)
+        for lib in (model.external_lib, cfg.critic.model.external_lib if d.use_critic else None):
+            if lib:  # registers custom architectures before any model loads
+                importlib.import_module(lib)
         dev.seed_everything(cfg.trainer.seed)
         if cfg.trainer.deterministic:
             make_deterministic()  # before any model, kernel handle or engine exists in this process

@@ -61,3 +61,15 @@ def test_critic_update_fits_returns_and_is_micro_batch_invariant(tiny_model_path
         assert b["critic/grad_norm"] == pytest.approx(a["critic/grad_norm"], rel=1e-4)
     with pytest.raises(ValueError, match="needs values and returns"):
         worker.update_critic(batch)
+
+
+def test_each_models_external_lib_is_imported_before_it_loads(tiny_model_path, tmp_path, monkeypatch):
+    import sys
+
+    for name in ("ext_for_actor", "ext_for_critic"):
+        (tmp_path / f"{name}.py").write_text("LOADED = True\n")
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    make_worker(make_cfg(tiny_model_path, *PPO, "actor_rollout_ref.model.external_lib=ext_for_actor",
+                         "critic.model.external_lib=ext_for_critic"))
+    assert sys.modules["ext_for_actor"].LOADED and sys.modules["ext_for_critic"].LOADED
