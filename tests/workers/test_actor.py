@@ -80,7 +80,7 @@ def _actor_grads(worker, batch) -> dict[str, torch.Tensor]:
     worker.actor.module.train()
     worker.actor.loop.backward_mini_batch(batch, worker.actor.micro_loss)
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-             for n, p in worker.actor.module.hf.named_parameters()}
+             for n, p in worker.actor.module.hf.named_parameters() if p.grad is not None}  # LoRA: the adapters
     worker.actor.loop.optimizer.zero_grad(set_to_none=True)
     return grads
 

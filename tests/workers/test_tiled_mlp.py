@@ -108,15 +108,20 @@ def test_wrapping_is_idempotent_and_refuses_what_it_cannot_tile():
 
 @pytest.mark.usefixtures("process_group")
 @pytest.mark.parametrize("variant", [(), ("actor_rollout_ref.model.enable_gradient_checkpointing=True",),
-                                     ("actor_rollout_ref.model.use_remove_padding=True",)],
-                         ids=["padded", "checkpointed", "packed"])
+                                     ("actor_rollout_ref.model.use_remove_padding=True",),
+                                     ("actor_rollout_ref.model.use_fused_kernels=True",),  # around grpo_npu's MLP
+                                     ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8")],
+                         ids=["padded", "checkpointed", "packed", "fused", "lora"])
 def test_actor_gradients_equal_with_and_without_tiles(tiny_model_path, variant):
+    if any("lora" in v for v in variant):
+        pytest.importorskip("peft")
     batch = _ppo_batch(tiny_model_path, seed=4)
     plain = _actor_grads(make_worker(make_cfg(tiny_model_path, *variant)), batch)
     worker = make_worker(make_cfg(tiny_model_path, *variant, "actor_rollout_ref.model.tiled_mlp.enabled=True",
                                   "actor_rollout_ref.model.tiled_mlp.num_shards=3"))
     assert all(getattr(layer.mlp, TILED) == 3 for layer in worker.actor.module.hf.model.layers)
     tiled = _actor_grads(worker, batch)
+    assert plain and tiled.keys() == plain.keys()
     for name, g in plain.items():
         torch.testing.assert_close(tiled[name], g, atol=2e-6, rtol=1e-4, msg=name)
 
