@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_npu.config import to_dict
+from grpo_npu.config import loaded_contents, to_dict
 from grpo_npu.errors import UserError, WorkerError
 from grpo_npu.io import commit_dir, write_atomic
 from grpo_npu.names import RESUME_MODES
@@ -359,24 +359,24 @@ def optim_changes(saved: dict[str, dict], cfg) -> list[str]:
     """What a resume changes in the ``*.optim`` sections the checkpoint recorded (``key old -> new``); a changed
     optimizer class whose state would be loaded is refused (:func:`check_same_optimizer`)."""
     now = optim_settings(cfg)
-    check_same_optimizer(saved, now,
-                         loads_actor_optimizer="optimizer" in cfg.actor_rollout_ref.actor.checkpoint.load_contents)
+    loads = {"actor_rollout_ref.actor.optim": cfg.actor_rollout_ref.actor.checkpoint, "critic.optim": cfg.critic.checkpoint}
+    check_same_optimizer(saved, now, loads_optimizer={k: "optimizer" in loaded_contents(c) for k, c in loads.items()})
     return changed_settings(saved, now)
 
 
-def check_same_optimizer(saved: dict[str, dict], now: dict[str, dict], *, loads_actor_optimizer: bool) -> None:
+def check_same_optimizer(saved: dict[str, dict], now: dict[str, dict], *, loads_optimizer: dict[str, bool]) -> None:
     """Refuse a resume whose optimizer class differs from the one whose state the checkpoint holds (its
-    moments would be loaded into another algorithm): one line naming the keys."""
+    moments would be loaded into another algorithm): one line naming the keys. ``loads_optimizer``: per
+    ``*.optim`` section, whether the resume loads that optimizer's state."""
     for section, fields in now.items():
-        if section not in saved or (section.startswith("actor_rollout_ref") and not loads_actor_optimizer):
+        if section not in saved or not loads_optimizer.get(section, True):
             continue
         old = (saved[section].get("optimizer_impl", "torch.optim"), saved[section].get("optimizer", "AdamW"))
         new = (fields["optimizer_impl"], fields["optimizer"])
         if old != new:
             raise UserError(f"{section}.optimizer={new[1]} ({new[0]}): the checkpoint holds the state of "
-                            f"{old[0]}.{old[1]}; resume with that optimizer, or start a new run"
-                            + (" (or leave the optimizer out of actor_rollout_ref.actor.checkpoint.load_contents)"
-                               if section.startswith("actor_rollout_ref") else ""))
+                            f"{old[0]}.{old[1]}; resume with that optimizer, or start a new run (or leave the "
+                            f"optimizer out of {section.removesuffix('optim')}checkpoint.load_contents)")
 
 
 def changed_settings(saved: dict[str, dict], now: dict[str, dict]) -> list[str]:

@@ -11,6 +11,9 @@ DEVICE_KINDS = ("npu", "cuda", "cpu")
 DEVICE_CHOICES = ("auto",) + DEVICE_KINDS
 # trainer.logger: the metric sinks tracking.sinks.SINKS registers
 LOGGERS = ("console", "jsonl", "file", "tensorboard", "wandb", "mlflow")
+# *.checkpoint.save_contents / load_contents: what workers/hybrid.py saves and loads (hf_model: an HF export,
+# written on save, nothing to load)
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 # trainer.resume_mode: checkpoint.CheckpointManager.resolve_resume
 RESUME_MODES = ("auto", "disable", "resume_path")
 # trainer.existing_run_dir: what a run that does not resume does with another run's files (rundir.py)

@@ -36,7 +36,7 @@ from grpo_npu.config.actor_rollout_ref import (
     ValKwargsConfig,
 )
 from grpo_npu.config.command_line import CommandLine, config_from_argv, help_text, split_argv
-from grpo_npu.config.derived import Derived, derive
+from grpo_npu.config.derived import Derived, derive, loaded_contents
 from grpo_npu.config.fields import choice, free_dict, many
 from grpo_npu.config.keys import KeySpec, iter_keys
 from grpo_npu.config.loading import FrozenDict, load_config, parse_overrides, to_dict, to_yaml
@@ -71,7 +71,7 @@ __all__ = [
     "SyncCheckConfig", "TiledMlpConfig", "TrainerConfig", "ValKwargsConfig", "choice", "free_dict", "many",
     # keys, loading, validation, derived values, the command line
     "KeySpec", "iter_keys", "FrozenDict", "load_config", "parse_overrides", "to_dict", "to_yaml", "validate",
-    "Derived", "derive", "CommandLine", "config_from_argv", "help_text", "split_argv", "ConfigError",
+    "Derived", "derive", "loaded_contents", "CommandLine", "config_from_argv", "help_text", "split_argv", "ConfigError",
     # accepted names this package has always exported (declared by their owners' names modules)
     "ADV_ESTIMATORS", "FILTER_METRICS", "KL_CTRL_TYPES", "KL_TYPES", "LOAD_FORMATS", "LOGGERS", "OPTIM_IMPLS",
     "POLICY_LOSS_MODES", "RESUME_MODES", "ROLLOUT_NAMES", "STRATEGIES", "WARMUP_STYLES",

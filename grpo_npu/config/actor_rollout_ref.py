@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional
 from grpo_npu.algo.names import AGG_MODES, KL_TYPES, POLICY_LOSS_MODES
 from grpo_npu.config.fields import choice, free_dict, many
 from grpo_npu.config.profiler import RolloutProfilerConfig, RoleProfilerConfig
+from grpo_npu.names import CHECKPOINT_CONTENTS
 from grpo_npu.rollout.names import LOAD_FORMATS, ROLLOUT_NAMES
 from grpo_npu.workers.names import DTYPE_NAMES, OPTIM_IMPLS, STRATEGIES, WARMUP_STYLES
 
@@ -174,10 +175,10 @@ class PolicyLossConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    save_contents: List[str] = many(["model", "optimizer", "extra"])
-    """What a checkpoint holds: model, optimizer, extra (scheduler, RNG), hf_model (an HF export)."""
-    load_contents: List[str] = many(["model", "optimizer", "extra"])
-    """What resume loads."""
+    save_contents: List[str] = many(["model", "optimizer", "extra"], CHECKPOINT_CONTENTS)
+    """What a checkpoint holds: model and extra (step, LR schedule, RNG) always, optimizer, hf_model (an HF export, actor only)."""
+    load_contents: Optional[List[str]] = None
+    """What resume loads, of model (required), optimizer, extra (null: save_contents, verl's default; hf_model there loads nothing)."""
 
 
 @dataclass(frozen=True)

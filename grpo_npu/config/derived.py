@@ -18,6 +18,12 @@ def require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def loaded_contents(checkpoint) -> tuple[str, ...]:
+    """A role's ``checkpoint.load_contents``, null meaning its ``save_contents`` (verl's ``${.save_contents}``)."""
+    contents = checkpoint.load_contents if checkpoint.load_contents is not None else checkpoint.save_contents
+    return tuple(contents)
+
+
 @dataclass(frozen=True)
 class Derived:
     """Values that follow from the config and the world size (per-rank sizes are in responses)."""

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from grpo_npu.algo.names import ADV_ESTIMATORS, BYPASS_LOSS_TYPES, KL_CTRL_TYPES, KL_TYPES, PF_PPO_REWEIGHT_METHODS
-from grpo_npu.config.actor_rollout_ref import ActorRolloutRefConfig, FSDPConfig, OptimConfig, TiledMlpConfig
+from grpo_npu.config.actor_rollout_ref import (ActorRolloutRefConfig, CheckpointConfig, FSDPConfig, OptimConfig,
+                                              TiledMlpConfig)
 from grpo_npu.config.fields import choice, free_dict, many
 from grpo_npu.config.profiler import GlobalProfilerConfig, RoleProfilerConfig
 from grpo_npu.data.names import TRUNCATION_MODES
@@ -109,6 +110,8 @@ class CriticConfig:
     """Data-parallel strategy (FSDP2)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Critic optimizer."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """What the critic's part of a checkpoint holds and what resume loads of it."""
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     """The value model."""
     ppo_mini_batch_size: Optional[int] = None

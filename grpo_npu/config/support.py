@@ -113,6 +113,8 @@ RULES: tuple[Rule, ...] = tuple([
     *_refuse("deleting the local checkpoint after loading it (with no HDFS copy here it is the only one)",
              "trainer.del_local_ckpt_after_load", accepted=(False,)),
     *_refuse("scoring in the background", "reward_model.launch_reward_fn_async", accepted=(False,)),
+    *_refuse("asynchronous checkpoint saves (verl implements them for its Megatron backend only)",
+             "*.checkpoint.async_save", accepted=(False,)),
     *_refuse("a critic checkpoint retention of its own (the critic is saved in the same checkpoint: "
              "trainer.max_actor_ckpt_to_keep)", "trainer.max_critic_ckpt_to_keep",
              accepted=(None, "${trainer.max_actor_ckpt_to_keep}")),

@@ -12,9 +12,10 @@ from typing import Any, Iterator, Mapping
 
 from grpo_npu.algo.names import (FILTER_METRICS, POLICY_LOSS_PARAMS, POLICY_LOSS_READS, ROLLOUT_IS_LEVELS,
                                  parse_rollout_is_threshold, parse_rollout_rs)
-from grpo_npu.config.derived import derive, require
+from grpo_npu.config.derived import derive, loaded_contents, require
 from grpo_npu.config.schema import Config
 from grpo_npu.errors import ConfigError
+from grpo_npu.names import CHECKPOINT_CONTENTS
 
 
 # actor_rollout_ref.rollout settings only the vLLM engine reads (grpo_npu/rollout/vllm_settings.py and its callers).
@@ -215,6 +216,7 @@ def validate(cfg: Config) -> None:
     _check_rollout_correction(cfg)
     _check_pf_ppo(alg)
     _check_tiled_mlp(cfg)
+    _check_checkpoint_contents(cfg)
     ob = cfg.reward_model.overlong_buffer
     if ob.enable:
         require(cfg.reward_model.reward_manager == "dapo",
@@ -291,6 +293,23 @@ def _check_gdpo(alg: Any) -> None:
                         "function's result dict to normalise one by one (e.g. ['accuracy_reward', 'format_reward'])")
     require(weights is None or len(weights) == len(keys),
             f"algorithm.gdpo_reward_weights has {len(weights or ())} weights for {len(keys)} gdpo_reward_keys")
+
+
+def _check_checkpoint_contents(cfg: Config) -> None:
+    """*.checkpoint.save_contents / load_contents: what grpo_npu's checkpoints can leave out and load."""
+    for key, ckpt in (("actor_rollout_ref.actor.checkpoint", cfg.actor_rollout_ref.actor.checkpoint),
+                      ("critic.checkpoint", cfg.critic.checkpoint)):
+        saved = list(ckpt.save_contents)
+        require("model" in saved and "extra" in saved,
+                f"{key}.save_contents={saved}: grpo_npu's checkpoints always hold the model and extra (step, LR "
+                "schedule, RNG), what a resume starts from; list both")
+        require(key.startswith("actor") or "hf_model" not in saved,
+                f"{key}.save_contents={saved}: hf_model (a Hugging Face export) is written for the actor only; remove it")
+        loaded = list(loaded_contents(ckpt))
+        unknown = [c for c in loaded if c not in CHECKPOINT_CONTENTS]
+        require(not unknown, f"{key}.load_contents={loaded}: {unknown[0] if unknown else ''!r} is not accepted; "
+                             f"choose among: {', '.join(CHECKPOINT_CONTENTS)}")
+        require("model" in loaded, f"{key}.load_contents={loaded}: a resume loads the model; list it")
 
 
 def _check_tiled_mlp(cfg: Config) -> None:

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from grpo_npu.batch import RolloutBatch
 from grpo_npu.checkpoint import CheckpointManager, out_of_space
-from grpo_npu.config import Config, derive
+from grpo_npu.config import Config, derive, loaded_contents
 from grpo_npu.determinism import make_deterministic
 from grpo_npu.device import get_device
 from grpo_npu.errors import UserError
@@ -316,9 +316,10 @@ class HybridWorker:
             fsdp.save_sharded(os.path.join(out_dir, ACTOR_DIR), actor.module,
                               actor.loop.optimizer if "optimizer" in contents else None, extra)
         if self.critic is not None:
+            critic_optimizer = "optimizer" in self.cfg.critic.checkpoint.save_contents
             with params_on(self.critic.module, self.dev, self.critic.param_offload):
-                fsdp.save_sharded(os.path.join(out_dir, CRITIC_DIR), self.critic.module, self.critic.loop.optimizer,
-                                  self.critic.loop.state_extra())
+                fsdp.save_sharded(os.path.join(out_dir, CRITIC_DIR), self.critic.module,
+                                  self.critic.loop.optimizer if critic_optimizer else None, self.critic.loop.state_extra())
         if self.lora is not None:  # verl's actor/lora_adapter: the PEFT directory, with every checkpoint
             with params_on(actor.module, self.dev, actor.param_offload):
                 lora.export_adapter(actor.module.hf, os.path.join(out_dir, ACTOR_DIR, lora.ADAPTER_DIR))
@@ -327,7 +328,7 @@ class HybridWorker:
 
     def load_checkpoint(self, in_dir: str) -> int:
         """Restore what :meth:`save_checkpoint` wrote, on any number of ranks; returns the saved step."""
-        contents = set(self.cfg.actor_rollout_ref.actor.checkpoint.load_contents)
+        contents = set(loaded_contents(self.cfg.actor_rollout_ref.actor.checkpoint))
         actor = self._need("actor")
         with params_on(actor.module, self.dev, actor.param_offload), self._fits(in_dir, MODEL_PATH_KEY, self.cfg.actor_rollout_ref.model.path):
             extra = fsdp.load_sharded(os.path.join(in_dir, ACTOR_DIR), actor.module,
@@ -339,10 +340,13 @@ class HybridWorker:
             else:  # written by another number of ranks: a fresh stream per (seed, step, rank)
                 self.dev.seed_everything(self.cfg.trainer.seed + RESHARD_SEED_STRIDE * int(extra["step"]) + dist.get_rank())
         if self.critic is not None:
+            critic_contents = set(loaded_contents(self.cfg.critic.checkpoint))
             with params_on(self.critic.module, self.dev, self.critic.param_offload), \
                     self._fits(in_dir, *self._critic_weights()):
-                self.critic.loop.load_extra(fsdp.load_sharded(os.path.join(in_dir, CRITIC_DIR), self.critic.module,
-                                                              self.critic.loop.optimizer))
+                critic_extra = fsdp.load_sharded(os.path.join(in_dir, CRITIC_DIR), self.critic.module,
+                                                 self.critic.loop.optimizer if "optimizer" in critic_contents else None)
+            if "extra" in critic_contents:
+                self.critic.loop.load_extra(critic_extra)
         return int(extra["step"])
 
     def _critic_weights(self) -> tuple[str, str]:
