@@ -48,6 +48,8 @@ class FSDPConfig:
     """FSDP mixed-precision policy."""
     forward_prefetch: bool = False
     """Prefetch the next layer's all-gather during forward."""
+    use_no_sync_for_gradient_accumulation: bool = False
+    """Trained models: reduce gradients across ranks once per optimizer step, after the last micro-batch, instead of after each (fewer collectives; each rank holds unsharded gradients until then)."""
     wrap_policy: Dict[str, Any] = free_dict()
     """Kept for verl compatibility; FSDP2 wraps each decoder layer, then the root."""
 

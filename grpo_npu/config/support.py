@@ -98,7 +98,7 @@ RULES: tuple[Rule, ...] = tuple([
     # verl 0.9.1's critic engine block (critic.fsdp) is grpo_npu's critic.model.fsdp_config (older verl's home)
     *[Rule(f"critic.fsdp.{key}", ALIAS, target=f"critic.model.fsdp_config.{key}")
       for key in ("param_offload", "optimizer_offload", "offload_policy", "reshard_after_forward", "fsdp_size",
-                  "forward_prefetch", "model_dtype")],
+                  "forward_prefetch", "model_dtype", "use_no_sync_for_gradient_accumulation")],
     # verl's PrefixGrouper: each prompt's forward shared by its responses, what share_prompt_prefix does
     Rule("actor_rollout_ref.actor.use_prefix_grouper", ALIAS, target="actor_rollout_ref.model.share_prompt_prefix"),
     Rule("actor_rollout_ref.actor.optim.clip_grad", ALIAS, target="actor_rollout_ref.actor.grad_clip"),

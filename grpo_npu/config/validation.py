@@ -217,6 +217,7 @@ def validate(cfg: Config) -> None:
     _check_pf_ppo(alg)
     _check_tiled_mlp(cfg)
     _check_checkpoint_contents(cfg)
+    _check_reference_fsdp(cfg)
     ob = cfg.reward_model.overlong_buffer
     if ob.enable:
         require(cfg.reward_model.reward_manager == "dapo",
@@ -293,6 +294,14 @@ def _check_gdpo(alg: Any) -> None:
                         "function's result dict to normalise one by one (e.g. ['accuracy_reward', 'format_reward'])")
     require(weights is None or len(weights) == len(keys),
             f"algorithm.gdpo_reward_weights has {len(weights or ())} weights for {len(keys)} gdpo_reward_keys")
+
+
+def _check_reference_fsdp(cfg: Config) -> None:
+    """The reference only runs forward passes: a setting of its fsdp_config that shapes an update is refused."""
+    ref = cfg.actor_rollout_ref.ref.fsdp_config
+    require(not ref.use_no_sync_for_gradient_accumulation,
+            "actor_rollout_ref.ref.fsdp_config.use_no_sync_for_gradient_accumulation=True: the reference computes no "
+            "gradients; set it on actor_rollout_ref.actor.fsdp_config or critic.model.fsdp_config")
 
 
 def _check_checkpoint_contents(cfg: Config) -> None:

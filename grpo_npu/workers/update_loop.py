@@ -109,6 +109,8 @@ class UpdateLoop:
         self.grad_clip = grad_clip
         self.param_offload = fsdp_cfg.param_offload
         self.optimizer_offload = fsdp_cfg.optimizer_offload
+        # one gradient reduction per optimizer step (unwrapped: nothing to reduce)
+        self.defer_grad_sync = fsdp_cfg.use_no_sync_for_gradient_accumulation and isinstance(module, fsdp.FSDPModule)
         self.micro_size = micro_size
         self.max_tokens = max_tokens
         self.horizon = horizon
@@ -150,12 +152,16 @@ class UpdateLoop:
         agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=self.horizon)
         groups = plan_micro_batches(mini, size=self.micro_size, max_tokens=self.max_tokens, dev=self.dev)
         scale = dist.get_world_size()  # FSDP averages gradients over ranks; the losses are global sums
-        for rows in groups:
+        for i, rows in enumerate(groups):
+            if self.defer_grad_sync:  # FSDP2 accumulates unsharded gradients until the last micro-batch's backward
+                self.module.set_requires_gradient_sync(i == len(groups) - 1)
             with offloaded_activations(self.offload_activations, self.dev):
                 out = loss_fn(trim_padding(mini.select(rows)).to(device), agg)
                 (out.loss * scale).backward()
             if totals is not None:
                 totals.add(out)
+        if self.defer_grad_sync:
+            self.module.set_requires_gradient_sync(True)
         if totals is not None:
             totals.tokens += num_tokens
 
