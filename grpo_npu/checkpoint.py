@@ -22,6 +22,7 @@ directories.
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import pickle
 import logging
@@ -30,7 +31,9 @@ import re
 import shutil
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -186,11 +189,14 @@ def _pid_alive(pid: int) -> bool:
 class CheckpointManager:
     """Creates, commits, prunes and finds ``global_step_N`` checkpoints under ``root``."""
 
-    def __init__(self, root: str | os.PathLike, max_to_keep: int | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, max_to_keep: int | None = None,
+                 on_commit: Callable[[int, Path], None] | None = None) -> None:
+        """``on_commit(step, path)`` runs after each committed checkpoint (trainer.checkpoint_callback_class)."""
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"trainer.max_actor_ckpt_to_keep={max_to_keep} must be >= 1 or null (keep all)")
         self.root = Path(root)
         self.max_to_keep = max_to_keep
+        self.on_commit = on_commit
 
     # -- paths ----------------------------------------------------------------------------------
     def step_dir(self, step: int) -> Path:
@@ -246,6 +252,8 @@ class CheckpointManager:
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         self._apply_retention(step)
+        if self.on_commit is not None:  # durable by now; an exception here stops the run, as in verl
+            self.on_commit(step, final)
         return final
 
     def abort(self, step: int, tmp: str | os.PathLike, exc: BaseException | None = None) -> BaseException | None:
@@ -347,6 +355,30 @@ def save_plan(save_freq: int, total_steps: int, run_dir: os.PathLike, max_to_kee
     keep = f", keeping the newest {max_to_keep}" if max_to_keep else ""
     return (f"checkpoints: every {save_freq} steps and at step {total_steps} into {run_dir}{keep} "
             f"(contents: {', '.join(contents)})")
+
+
+def checkpoint_hook(fqn: str | None, cfg, trainer) -> Callable[[int, Path], None] | None:
+    """``trainer.checkpoint_callback_class`` ("package.module.ClassName") built as verl builds it, ``cls(config=cfg)``,
+    as a :class:`CheckpointManager` ``on_commit``: its ``on_save(trainer=, global_step=, checkpoint_dir=,
+    async_save=False)`` runs on the driver after each committed checkpoint (e.g. to upload it). None when unset; a
+    name that does not load is one line."""
+    if not fqn:
+        return None
+    key = f"trainer.checkpoint_callback_class={fqn}"
+    module_name, _, class_name = fqn.rpartition(".")
+    if not module_name:
+        raise UserError(f"{key}: expected a fully qualified class name, package.module.ClassName")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except ImportError as exc:
+        raise UserError(f"{key}: cannot import {module_name} ({exc})") from None
+    except AttributeError:
+        raise UserError(f"{key}: {module_name} has no {class_name}") from None
+    if not callable(getattr(cls, "on_save", None)):
+        raise UserError(f"{key}: {class_name} has no on_save(trainer, global_step, checkpoint_dir, async_save, **kwargs)")
+    callback = cls(config=cfg)
+    return lambda step, path: callback.on_save(trainer=trainer, global_step=step, checkpoint_dir=str(path),
+                                               async_save=False)
 
 
 def optim_settings(cfg) -> dict[str, dict]:

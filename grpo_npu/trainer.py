@@ -22,7 +22,7 @@ from grpo_npu.algo.kl import apply_kl_in_reward, make_kl_controller
 from grpo_npu.algo.pf_ppo import resample_batch
 from grpo_npu.algo.rollout_corr import correct_batch
 from grpo_npu.batch import RolloutBatch, balance_order, cat_right_padded
-from grpo_npu.checkpoint import CheckpointManager, load_state_file, optim_changes, optim_settings, save_plan
+from grpo_npu.checkpoint import CheckpointManager, checkpoint_hook, load_state_file, optim_changes, optim_settings, save_plan
 from grpo_npu.cluster import Workers
 from grpo_npu.data.rl_dataset import PromptBatch, PromptLoader, RLDataset
 from grpo_npu.data.tokenizer import load_tokenizer
@@ -92,7 +92,8 @@ class Trainer:
             kc = cfg.algorithm.kl_ctrl
             self.kl_ctrl = make_kl_controller(kc.type, kl_coef=kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon)
 
-            self.ckpt = CheckpointManager(self.run_dir, max_to_keep=t.max_actor_ckpt_to_keep)
+            self.ckpt = CheckpointManager(self.run_dir, max_to_keep=t.max_actor_ckpt_to_keep,
+                                          on_commit=checkpoint_hook(t.checkpoint_callback_class, cfg, self))
             self.resume_from = self.ckpt.resolve_resume(t.resume_mode, t.resume_from_path)
             self.rollouts = RolloutSource(cfg, self.derived, self.rollout_and_reward, self.tokenizer, first_step=(
                 self.resume_from or (0,))[0] + 1, last_step=self.total_steps, baselines=self.baseline_sampling is not None)
@@ -344,8 +345,7 @@ class Trainer:
     # Checkpoints
     # ------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> float:
-        start = time.perf_counter()
-        step = self.global_step
+        start, step = time.perf_counter(), self.global_step
         tmp = self.ckpt.begin(step)
         try:
             self.workers.save_checkpoint(str(tmp), step)  # per-rank shards (+ an HF export if hf_model)

@@ -1,5 +1,5 @@
 """*.checkpoint.save_contents / load_contents (actor and critic): verl's default (what is loaded follows what is
-saved), the refusals, and a resume from checkpoints that leave optimizers out."""
+saved), the refusals, and a resume from checkpoints that leave optimizers out; trainer.checkpoint_callback_class."""
 
 from __future__ import annotations
 
@@ -55,3 +55,50 @@ def test_resume_from_checkpoints_without_optimizer_state(tiny_model_path, task, 
         assert any(k.startswith("model") for k in keys) and not any(k.startswith("optimizer") for k in keys), role
     run(overrides(tiny_model_path, task, run_dir, *common, "trainer.total_training_steps=3"))
     assert max(read_metrics(run_dir)) == 3
+
+
+CALLBACK = '''
+import json, os
+
+class RecordSaves:
+    def __init__(self, config=None):
+        self.out = os.path.join(config.trainer.default_local_dir, "..", "saves.jsonl")
+
+    def on_save(self, trainer, global_step, checkpoint_dir, async_save=False, **kwargs):
+        complete = os.path.exists(os.path.join(checkpoint_dir, "COMPLETE"))
+        with open(self.out, "a") as f:
+            f.write(json.dumps([global_step, os.path.basename(checkpoint_dir), complete, async_save,
+                                trainer.global_step]) + "\\n")
+'''
+
+
+@pytest.mark.slow
+def test_checkpoint_callback_runs_after_each_committed_save(tiny_model_path, task, tmp_path, monkeypatch):
+    """verl's trainer.checkpoint_callback_class: built with config=, its on_save called on the driver after each
+    checkpoint is committed (the COMPLETE marker is there)."""
+    import json
+    import sys
+
+    (tmp_path / "save_hooks.py").write_text(CALLBACK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "save_hooks", raising=False)
+    run(overrides(tiny_model_path, task, tmp_path / "run", "algorithm.adv_estimator=grpo",
+                  "actor_rollout_ref.rollout.name=hf", "trainer.checkpoint_callback_class=save_hooks.RecordSaves"))
+    saves = [json.loads(line) for line in (tmp_path / "saves.jsonl").read_text().splitlines()]
+    assert saves == [[1, "global_step_1", True, False, 1], [2, "global_step_2", True, False, 2]]
+
+
+@pytest.mark.parametrize("name, message", [
+    ("RecordSaves", "expected a fully qualified class name"),
+    ("no_such_pkg.Hook", "cannot import no_such_pkg"),
+    ("json.NoSuchHook", "json has no NoSuchHook"),
+    ("json.JSONDecoder", "JSONDecoder has no on_save"),
+])
+def test_a_checkpoint_callback_that_does_not_load_is_one_line(name, message):
+    from grpo_npu.checkpoint import checkpoint_hook
+    from grpo_npu.errors import UserError
+
+    with pytest.raises(UserError, match=f"^trainer.checkpoint_callback_class={name}: {message}") as err:
+        checkpoint_hook(name, load_config(BASE), trainer=None)
+    assert "\n" not in str(err.value)
+    assert checkpoint_hook(None, load_config(BASE), trainer=None) is None

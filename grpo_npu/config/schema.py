@@ -324,6 +324,8 @@ class TrainerConfig:
     """Keep at most this many checkpoints (None: all)."""
     max_critic_ckpt_to_keep: Optional[int] = None
     """Kept for verl compatibility (critic state lives in the same checkpoint)."""
+    checkpoint_callback_class: Optional[str] = None
+    """A class (package.module.ClassName) built with config=the config; its on_save(trainer, global_step, checkpoint_dir, async_save) runs on the driver after each committed checkpoint (verl's hook, e.g. to upload it)."""
     seed: int = 42
     """Seed of model init noise, sampling and every RNG."""
     step_timeout_s: float = 1800.0
