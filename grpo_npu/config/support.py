@@ -138,7 +138,7 @@ RULES: tuple[Rule, ...] = tuple([
     # whole features
     *_refuse(HYDRA, "hydra.*", "*@*", accepted=()),
     *_refuse(MEGATRON, "*.megatron.*", accepted=None),
-    *_refuse(BACKEND, "*strategy", accepted=("fsdp", "fsdp2")),
+    *_refuse(BACKEND, "*.strategy", accepted=("fsdp", "fsdp2")),
     *_refuse(MODEL_ENGINE, "model_engine", "*.model_engine", accepted=("dp",)),
     *_refuse(MODEL_ENGINE, "*.engine.*"),
     *_refuse(VEOMNI, "*.veomni.*"),
