@@ -524,15 +524,16 @@ def test_interpolations_on_the_command_line_resolve_against_the_whole_config(mon
         load_config(BASE + ["trainer.experiment_name=${trainer.nope}"])
 
 
-def test_optimal_token_baseline_needs_sum_pi_squared_from_a_recomputed_old_log_prob_pass():
-    otb = BASE + ["algorithm.adv_estimator=optimal_token_baseline"]
-    with pytest.raises(ConfigError, match=r"^algorithm\.adv_estimator=optimal_token_baseline needs "
+@pytest.mark.parametrize("estimator", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_optimal_token_baseline_needs_sum_pi_squared_from_a_recomputed_old_log_prob_pass(estimator):
+    otb = BASE + [f"algorithm.adv_estimator={estimator}"]
+    with pytest.raises(ConfigError, match=rf"^algorithm\.adv_estimator={estimator} needs "
                                           r"actor_rollout_ref\.actor\.calculate_sum_pi_squared=True "):
         load_config(otb)
     one_mini_batch = BASE + ["actor_rollout_ref.actor.ppo_mini_batch_size=8"]
     assert derive(load_config(one_mini_batch), 2).old_logp_from_update  # auto: the update's forward, nothing else asked
     for extra in (["actor_rollout_ref.actor.calculate_sum_pi_squared=True"],
-                  ["actor_rollout_ref.actor.calculate_sum_pi_squared=True", "algorithm.adv_estimator=optimal_token_baseline"]):
+                  ["actor_rollout_ref.actor.calculate_sum_pi_squared=True", f"algorithm.adv_estimator={estimator}"]):
         assert not derive(load_config(one_mini_batch + extra), 2).old_logp_from_update
 
 

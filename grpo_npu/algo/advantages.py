@@ -289,6 +289,28 @@ def optimal_token_baseline_advantage(
     return (returns - baselines) * m, returns
 
 
+@register_advantage("tir_optimal_token_baseline", uses=("group_ids", "old_logp", "sum_pi_squared", "rollout_is_weights"))
+def tir_optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids, old_logp: torch.Tensor,
+    sum_pi_squared: torch.Tensor, rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl 0.9.1's multi-turn optimal token baseline (compute_multi_turn_optimal_token_baseline_advantage): the
+    optimal token baseline over each response's valid tokens moved to the front, so that a group's baseline at
+    step k averages its members' k-th valid tokens (in a multi-turn response the masked tool outputs leave
+    holes); the advantages go back to their positions. On a mask without holes (a single-turn response) it is
+    :func:`optimal_token_baseline_advantage`. Returns (advantages, returns = G), zero outside the mask."""
+    valid = _valid_mask(token_level_rewards, response_mask)
+    order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)  # each row's valid positions first
+
+    def front(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.gather(-1, order)
+
+    packed, _ = optimal_token_baseline_advantage(front(token_level_rewards * valid), front(valid), group_ids,
+                                                 front(old_logp), front(sum_pi_squared), front(rollout_is_weights))
+    returns = _reward_to_go(token_level_rewards, valid)
+    return torch.zeros_like(packed).scatter_(-1, order, packed) * valid, returns
+
+
 @register_advantage("rloo", uses=("group_ids",))
 def rloo_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids

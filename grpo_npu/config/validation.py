@@ -202,8 +202,8 @@ def validate(cfg: Config) -> None:
             "chooses how a LoRA actor's weights reach the vLLM engine (the hf rollout generates with the actor itself)")
     require(alg.kl_penalty not in ("full",), "algorithm.kl_penalty=full is not defined for token log-probs")
     _check_gdpo(alg)
-    require(alg.adv_estimator != "optimal_token_baseline" or arr.actor.calculate_sum_pi_squared,
-            "algorithm.adv_estimator=optimal_token_baseline needs actor_rollout_ref.actor.calculate_sum_pi_squared=True "
+    require("optimal_token_baseline" not in alg.adv_estimator or arr.actor.calculate_sum_pi_squared,
+            f"algorithm.adv_estimator={alg.adv_estimator} needs actor_rollout_ref.actor.calculate_sum_pi_squared=True "
             "(its baseline weighs each token by 1 - 2 pi + sum pi^2 from the old-log-prob pass)")
 
     # DAPO

@@ -332,6 +332,42 @@ def test_optimal_token_baseline_matches_reference(batch_kit, shape, seed, holes)
     torch.testing.assert_close(returns.double() * mask, expected_returns * mask, **TOL)
 
 
+def _to_front(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's values at its valid positions, moved to the front in order (zeros after)."""
+    out = torch.zeros_like(x)
+    for i in range(x.shape[0]):
+        vals = x[i][mask[i].bool()]
+        out[i, : len(vals)] = vals
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_tir_optimal_token_baseline_is_the_otb_of_each_rows_valid_tokens(batch_kit, seed):
+    """verl's multi-turn variant: the reference OTB over every row's valid tokens moved to the front, put back in
+    place; on masks without holes the same as optimal_token_baseline."""
+    random_mask, random_groups = batch_kit
+    gen = torch.Generator().manual_seed(seed)
+    shape = (16, 7)
+    for holes in (True, False):
+        mask = random_mask(*shape, gen, holes=holes)
+        ids, keys = random_groups(shape[0], gen, KINDS[seed % 4])
+        rewards, logp = torch.randn(shape, generator=gen), -3 * torch.rand(shape, generator=gen)
+        sum_sq = 0.01 + 0.5 * torch.rand(shape, generator=gen)
+        is_weights = 2 * torch.rand(shape, generator=gen) if seed % 2 else None
+        inputs = dict(token_level_rewards=rewards, response_mask=mask, group_ids=ids, old_logp=logp,
+                      sum_pi_squared=sum_sq, rollout_is_weights=is_weights)
+        advantages, _ = adv.compute_advantage("tir_optimal_token_baseline", **inputs)
+        front = [None if t is None else _to_front(t, mask) for t in (rewards * mask, logp, sum_sq, is_weights)]
+        packed, _ = ref_otb(front[0], _to_front(mask, mask), keys, front[1], front[2], front[3])
+        expected = torch.zeros_like(packed)
+        for i in range(shape[0]):
+            expected[i, mask[i].bool()] = packed[i, : int(mask[i].sum())]
+        torch.testing.assert_close(advantages.double(), expected, **TOL)
+        if not holes:
+            otb, _ = adv.compute_advantage("optimal_token_baseline", **inputs)
+            torch.testing.assert_close(advantages, otb, rtol=0, atol=0)
+
+
 def test_optimal_token_baseline_weighs_by_the_path_variance_and_zeroes_the_longest_tail():
     """Two responses, reward 1 and 0 on their last token. With equal w the baseline at t is the mean return over the
     valid rows; the longer response's positions past the shorter's end get baseline 0 (its advantage is its return)."""
