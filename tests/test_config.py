@@ -449,13 +449,22 @@ def test_a_float_setting_must_be_finite(key, value):
 
 @pytest.mark.parametrize("key", ["actor_rollout_ref.actor.ppo_micro_batch_size",
                                  "actor_rollout_ref.rollout.log_prob_micro_batch_size",
-                                 "actor_rollout_ref.ref.log_prob_micro_batch_size", "critic.ppo_micro_batch_size"])
+                                 "actor_rollout_ref.ref.log_prob_micro_batch_size", "critic.ppo_micro_batch_size",
+                                 "critic.forward_micro_batch_size"])
 def test_a_deprecated_global_micro_batch_beside_its_per_gpu_key_is_refused(key):
     """Each pair sizes the same passes; with both set one of them would be ignored."""
     both = [f"{key}=4", f"{key}_per_gpu=2"] + (["algorithm.adv_estimator=gae"] if key.startswith("critic") else [])
     with pytest.raises(ConfigError, match=rf"^set only one of {re.escape(key)} \(deprecated\) and {re.escape(key)}_per_gpu$"):
         load_config(BASE + both)
     load_config(BASE + both[1:])  # the per-GPU key alone is fine
+
+
+def test_the_critics_global_value_forward_size_is_divided_over_its_data_parallel_groups():
+    ppo = BASE + ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=2"]
+    assert derive(load_config(ppo + ["critic.forward_micro_batch_size=8"])).values_micro_batch_per_rank == 4  # 2 ranks
+    assert derive(load_config(ppo)).values_micro_batch_per_rank == 2  # unset: the update's
+    with pytest.raises(ConfigError, match=r"^critic.forward_micro_batch_size=7 \(global, deprecated\) is not divisible"):
+        load_config(ppo + ["critic.forward_micro_batch_size=7"])
 
 
 def test_a_reward_function_name_without_its_file_is_refused():

@@ -120,6 +120,8 @@ class CriticConfig:
     """Deprecated global micro-batch size."""
     ppo_micro_batch_size_per_gpu: Optional[int] = None
     """Responses per critic forward/backward on one device (None: actor's)."""
+    forward_micro_batch_size: Optional[int] = None
+    """Deprecated global size of a value-forward micro-batch (divided by the data-parallel groups; verl's older key)."""
     forward_micro_batch_size_per_gpu: Optional[int] = None
     """Responses per value forward (None: ppo_micro_batch_size_per_gpu)."""
     use_dynamic_bsz: Optional[bool] = None
