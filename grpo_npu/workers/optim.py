@@ -36,8 +36,9 @@ def optimizer_class(optim: OptimConfig, where: str = "optim") -> type:
     """The class ``optim.optimizer`` of the module ``optim.optimizer_impl``; a one-line error naming the keys."""
     try:
         module = importlib.import_module(optim.optimizer_impl)
-    except ImportError as exc:
-        raise ValueError(f"{where}.optimizer_impl={optim.optimizer_impl}: cannot import it ({exc}); install the "
+    except Exception as exc:  # not installed, or a package that fails on this machine (e.g. a GPU-only build)
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"{where}.optimizer_impl={optim.optimizer_impl}: cannot import it ({first}); install the "
                          "package or name a module that defines the optimizer") from None
     cls = getattr(module, optim.optimizer, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
@@ -60,8 +61,8 @@ def optimizer_kwargs(cls: type, optim: OptimConfig, device_type: str | None, whe
     if device_type is not None:
         kwargs.update(_step_impl(cls, optim, device_type, where))
     kwargs.update(optim.override_optimizer_config or {})
-    params = inspect.signature(cls.__init__).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    params = _init_parameters(cls)
+    if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         for key in kwargs:
             if key not in params:
                 source = (f"{where}.override_optimizer_config.{key}" if key in (optim.override_optimizer_config or {})
@@ -71,10 +72,18 @@ def optimizer_kwargs(cls: type, optim: OptimConfig, device_type: str | None, whe
     return kwargs
 
 
+def _init_parameters(cls: type) -> Any:
+    """The parameters of ``cls.__init__``, None where Python cannot see them (a compiled extension's class)."""
+    try:
+        return inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return None
+
+
 def _step_impl(cls: type, optim: OptimConfig, device_type: str, where: str) -> dict[str, bool]:
     """``optim.impl`` as the fused / foreach arguments of a torch.optim class; nothing for other classes at auto."""
     impl = resolve_impl(optim.impl, device_type)
-    params = inspect.signature(cls.__init__).parameters
+    params = _init_parameters(cls) or {}
     if optim.impl == "auto":
         if not cls.__module__.startswith("torch.optim"):
             return {}

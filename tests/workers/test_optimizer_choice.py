@@ -152,3 +152,15 @@ def test_zero_indexed_step_shifts_the_cosine_schedule_by_one(zero_indexed):
     # the constant schedule has no step index to shift (verl's constant schedule ignores the key)
     assert lr_multiplier(0, total_steps=total, warmup=warm, style="constant", min_lr_ratio=0.0, num_cycles=0.5,
                          zero_indexed_step=False) == 0.0
+
+
+def test_a_package_that_fails_to_import_on_this_machine_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "gpu_only_optims.py").write_text("raise RuntimeError('CUDA Setup failed despite GPU being available.\\n"
+                                                 "more lines')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = _cfg("actor_rollout_ref.actor.optim.optimizer_impl=gpu_only_optims")
+    with pytest.raises(UserError) as err:
+        check_optimizers(cfg, use_critic=False)
+    assert str(err.value) == ("actor_rollout_ref.actor.optim.optimizer_impl=gpu_only_optims: cannot import it (CUDA "
+                              "Setup failed despite GPU being available.); install the package or name a module "
+                              "that defines the optimizer")
