@@ -48,7 +48,7 @@ def test_every_registered_name_is_described(kind, names):
     "module, names",
     [
         (advantages, ["compute_advantage", "grpo_advantage", "rloo_advantage", "reinforce_plus_plus_advantage",
-                      "gpg_advantage", "remax_advantage",
+                      "gpg_advantage", "remax_advantage", "opo_advantage", "grpo_passk_advantage",
                       "reinforce_plus_plus_baseline_advantage", "gae_advantage", "GRPO_EPS"]),
         (kl, ["kl_penalty", "apply_kl_in_reward", "make_kl_controller", "FixedKLController", "AdaptiveKLController",
               "K3_LOG_RATIO_CLAMP", "K3_VALUE_CLAMP", "ADAPTIVE_ERROR_CLIP"]),

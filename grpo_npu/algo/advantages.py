@@ -29,6 +29,7 @@ import torch
 from grpo_npu.algo.advantage_base import (ADVANTAGE_ESTIMATORS, GRPO_EPS, OPTIONAL_INPUTS, AdvantageEstimator,
                                           broadcast_rows, compute_advantage, estimator_inputs, get_advantage_fn,
                                           register_advantage, reward_to_go, scores_by_group, valid_mask)
+from grpo_npu.algo.groups import group_index
 from grpo_npu.algo.masked import acc_dtype, masked_values, masked_whiten
 from grpo_npu.algo.token_baselines import score_norm_proxy  # importing it registers the optimal token baselines
 
@@ -126,6 +127,52 @@ def rloo_advantage(
     valid, scores, mean, _, count = scores_by_group(token_level_rewards, response_mask, group_ids)
     leave_one_out = torch.where(count > 1, count / (count - 1).clamp(min=1) * (scores - mean), torch.zeros_like(scores))
     advantages = broadcast_rows(leave_one_out, valid)
+    return advantages, advantages
+
+
+# verl's vectorized implementations of the two above: the same formulas (its grpo_vectorized always divides by the
+# std: validation refuses it with norm_adv_by_std_in_grpo=False, which verl would silently ignore)
+register_advantage("grpo_vectorized", uses=("group_ids", "norm_by_std", "eps"))(grpo_advantage)
+register_advantage("rloo_vectorized", uses=("group_ids",))(rloo_advantage)
+
+
+@register_advantage("opo", uses=("group_ids",))
+def opo_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (On-Policy RL with Optimal reward baseline): s_i minus the length-weighted mean score of its group,
+    sum_j |y_j| s_j / sum_j |y_j|; a group of one keeps its score (baseline 0), as does a group with no tokens."""
+    valid = valid_mask(token_level_rewards, response_mask)
+    scores = masked_values(token_level_rewards, valid).sum(-1)  # (B,)
+    lengths = valid.sum(-1).to(scores.dtype)
+    index, num_groups = group_index(group_ids, scores.shape[0], device=scores.device)
+    weighted = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(0, index, lengths * scores)
+    total = torch.zeros_like(weighted).index_add_(0, index, lengths)
+    count = torch.bincount(index, minlength=num_groups)
+    baseline = torch.where((count > 1) & (total > 0), weighted / total.clamp(min=1), torch.zeros_like(weighted))
+    advantages = broadcast_rows(scores - baseline[index], valid)
+    return advantages, advantages
+
+
+@register_advantage("grpo_passk", uses=("group_ids", "norm_by_std", "eps"))
+def grpo_passk_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids, *, eps: float = GRPO_EPS,
+    norm_by_std: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k training (arXiv:2503.19595): only each group's best response gets an advantage, its score minus the
+    group's second best (divided by the group's std + eps with norm_by_std); every other response gets 0. A
+    group of one is an error (the trainer's groups have rollout.n >= 2 members; validation says so)."""
+    valid, scores, _, std, count = scores_by_group(token_level_rewards, response_mask, group_ids)
+    if bool((count < 2).any()):
+        raise ValueError("grpo_passk needs at least 2 responses per group (actor_rollout_ref.rollout.n >= 2)")
+    index, num_groups = group_index(group_ids, scores.shape[0], device=scores.device)
+    per_row = torch.zeros_like(scores)
+    for g in range(num_groups):  # one small top-2 per group, as verl does
+        members = torch.nonzero(index == g).flatten()
+        top = torch.topk(scores[members], 2)
+        gap = top.values[0] - top.values[1]
+        per_row[members[top.indices[0]]] = gap / (std[members[0]] + eps) if norm_by_std else gap
+    advantages = broadcast_rows(per_row, valid)
     return advantages, advantages
 
 

@@ -247,7 +247,7 @@ class AlgorithmConfig:
     lam: float = 1.0
     """GAE lambda."""
     adv_estimator: str = choice("gae", ADV_ESTIMATORS)
-    """Advantage estimator: gae (PPO) | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gpg | remax | gdpo | optimal_token_baseline | tir_optimal_token_baseline."""
+    """Advantage estimator: gae (PPO) | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gpg | remax | gdpo | optimal_token_baseline | tir_optimal_token_baseline | opo | grpo_passk | grpo_vectorized | rloo_vectorized."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO (and GDPO's per-component step): divide by the group std (False: Dr.GRPO)."""
     gdpo_reward_keys: Optional[List[str]] = None

@@ -205,6 +205,12 @@ def validate(cfg: Config) -> None:
     require("optimal_token_baseline" not in alg.adv_estimator or arr.actor.calculate_sum_pi_squared,
             f"algorithm.adv_estimator={alg.adv_estimator} needs actor_rollout_ref.actor.calculate_sum_pi_squared=True "
             "(its baseline weighs each token by 1 - 2 pi + sum pi^2 from the old-log-prob pass)")
+    require(alg.adv_estimator != "grpo_vectorized" or alg.norm_adv_by_std_in_grpo,
+            "algorithm.adv_estimator=grpo_vectorized with algorithm.norm_adv_by_std_in_grpo=False: verl 0.9.1's "
+            "grpo_vectorized divides by the std whatever this key says; use adv_estimator=grpo for Dr.GRPO")
+    require(alg.adv_estimator != "grpo_passk" or rollout.n >= 2,
+            f"algorithm.adv_estimator=grpo_passk needs actor_rollout_ref.rollout.n >= 2 (it rewards each group's best "
+            f"response against its second best), got {rollout.n}")
 
     # DAPO
     fg = alg.filter_groups

@@ -478,7 +478,7 @@ def test_missing_inputs_and_unknown_names_are_clear_errors():
         adv.compute_advantage("grpo", token_level_rewards=rewards, response_mask=mask)
     with pytest.raises(ValueError, match="gae needs values"):
         adv.compute_advantage("gae", token_level_rewards=rewards, response_mask=mask)
-    with pytest.raises(ValueError, match="algorithm.adv_estimator.*'grpo_typo'.*known: gae, gdpo, gpg, grpo, optimal_token_baseline, reinforce_plus_plus"):
+    with pytest.raises(ValueError, match="algorithm.adv_estimator.*'grpo_typo'.*known: gae, gdpo, gpg, grpo, grpo_passk, grpo_vectorized, opo, optimal_token_baseline"):
         adv.get_advantage_fn("grpo_typo")
     with pytest.raises(ValueError, match="one key per response"):
         adv.grpo_advantage(rewards, mask, ["a"])

@@ -30,4 +30,4 @@ def test_register_advantage_checks_declared_inputs():
             return token_level_rewards, token_level_rewards
 
     assert "bad_estimator" not in advantages.ADVANTAGE_ESTIMATORS
-    assert advantages.ADVANTAGE_ESTIMATORS.names() == ["gae", "gdpo", "gpg", "grpo", "optimal_token_baseline", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo", "tir_optimal_token_baseline"]
+    assert advantages.ADVANTAGE_ESTIMATORS.names() == ["gae", "gdpo", "gpg", "grpo", "grpo_passk", "grpo_vectorized", "opo", "optimal_token_baseline", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo", "rloo_vectorized", "tir_optimal_token_baseline"]
