@@ -53,8 +53,25 @@ def _kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return (torch.exp(k) - k - 1).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
 
 
+def _k2_gradient(forward: KLEstimator) -> KLEstimator:
+    """verl's "+" estimators: the value of ``forward``, the gradient of k2 (0.5 d^2, whose gradient is the KL's in
+    expectation where k1's and k3's are not), by the straight-through trick."""
+
+    def estimator(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+        k2 = _kl_k2(logp, ref_logp)
+        return k2 - k2.detach() + forward(logp, ref_logp).detach()
+
+    return estimator
+
+
+KL_ESTIMATORS.register("kl+", "k1+")(_k2_gradient(_kl_k1))
+KL_ESTIMATORS.register("abs+")(_k2_gradient(_kl_abs))
+KL_ESTIMATORS.register("low_var_kl+", "k3+")(_k2_gradient(_kl_k3))
+KL_ESTIMATORS.register("mse+", "k2+")(_kl_k2)  # k2 already has k2's gradient
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate (B, T) of estimator ``kind`` (kl|k1|abs|mse|k2|low_var_kl|k3)."""
+    """Per-token KL estimate (B, T) of estimator ``kind`` (kl|k1|abs|mse|k2|low_var_kl|k3, each also with "+")."""
     if kind == "full":
         raise ValueError(
             "kl_penalty='full' needs the full vocabulary distributions, not token log-probs; "

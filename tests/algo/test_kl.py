@@ -47,6 +47,18 @@ def test_kl_penalty_matches_reference(kind, shape, dtype):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"])
+def test_plus_estimators_keep_the_value_and_take_k2s_gradient(kind):
+    """verl's straight-through "+" forms: the base estimator's value, and d(0.5 d^2)/d logp = d as the gradient."""
+    logp, ref = _log_probs((6, 5), 3, torch.float32)
+    logp.requires_grad_(True)
+    got = kl.kl_penalty(logp, ref, kind)
+    torch.testing.assert_close(got.detach(), kl.kl_penalty(logp.detach(), ref, kind[:-1]), rtol=0, atol=0)
+    weights = torch.rand(6, 5, generator=torch.Generator().manual_seed(1))
+    (got * weights).sum().backward()
+    torch.testing.assert_close(logp.grad, weights * (logp - ref).detach(), rtol=1e-6, atol=1e-6)
+
+
 def test_k3_gradient_is_finite_at_extremes():
     logp = torch.tensor([[0.0, -40.0, -1.0]], requires_grad=True)
     ref = torch.tensor([[-40.0, 0.0, -1.0]])
@@ -58,7 +70,7 @@ def test_full_and_unknown_kinds_are_clear_errors():
     x = torch.zeros(2, 2)
     with pytest.raises(ValueError, match="'full' needs the full vocabulary"):
         kl.kl_penalty(x, x, "full")
-    with pytest.raises(ValueError, match="unknown value 'k4'; known: abs, k1, k2, k3, kl, low_var_kl, mse"):
+    with pytest.raises(ValueError, match=r"unknown value 'k4'; known: abs, abs\+, k1, k1\+, k2, k2\+, k3, k3\+, kl, kl\+, low_var_kl, low_var_kl\+, mse, mse\+"):
         kl.kl_penalty(x, x, "k4")
     with pytest.raises(ValueError, match="equal shapes"):
         kl.kl_penalty(x, torch.zeros(2, 3), "kl")
