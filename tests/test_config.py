@@ -459,6 +459,15 @@ def test_a_deprecated_global_micro_batch_beside_its_per_gpu_key_is_refused(key):
     load_config(BASE + both[1:])  # the per-GPU key alone is fine
 
 
+@pytest.mark.parametrize("estimator", ["rloo", "gae", "opo", "reinforce_plus_plus"])
+def test_norm_adv_by_std_in_grpo_false_is_refused_where_the_estimator_would_not_read_it(estimator):
+    with pytest.raises(ConfigError, match=rf"^algorithm.norm_adv_by_std_in_grpo=False is read by adv_estimator grpo, "
+                                          rf"gdpo, grpo_passk, grpo_vectorized only; adv_estimator={estimator} would"):
+        load_config(BASE + [f"algorithm.adv_estimator={estimator}", "algorithm.norm_adv_by_std_in_grpo=False",
+                            "critic.ppo_micro_batch_size_per_gpu=2"])
+    load_config(BASE + ["algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=False"])  # Dr.GRPO
+
+
 def test_the_critics_global_value_forward_size_is_divided_over_its_data_parallel_groups():
     ppo = BASE + ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=2"]
     assert derive(load_config(ppo + ["critic.forward_micro_batch_size=8"])).values_micro_batch_per_rank == 4  # 2 ranks

@@ -27,6 +27,8 @@ def test_algo_registries_hold_exactly_the_declared_names():
     assert advantages.ADVANTAGE_ESTIMATORS.names() == sorted(algo_names.ADV_ESTIMATORS)
     assert kl.KL_ESTIMATORS.names() == sorted(algo_names.KL_TYPES)
     assert losses.POLICY_LOSSES.names() == sorted(algo_names.POLICY_LOSS_MODES)
+    assert sorted(n for n in algo_names.ADV_ESTIMATORS if "norm_by_std" in advantages.estimator_inputs(n)) == \
+        sorted(algo_names.NORM_BY_STD_READERS)
 
 
 def test_a_registry_refuses_an_undeclared_name():

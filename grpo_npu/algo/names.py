@@ -11,6 +11,9 @@ is registered.
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "remax", "gdpo",
                   "optimal_token_baseline", "tir_optimal_token_baseline", "opo", "grpo_passk", "grpo_vectorized",
                   "rloo_vectorized")
+# The estimators that read algorithm.norm_adv_by_std_in_grpo (their registration uses norm_by_std); validation
+# refuses the key at False with any other, which would not read it
+NORM_BY_STD_READERS = ("grpo", "gdpo", "grpo_passk", "grpo_vectorized")
 # actor.kl_loss_type and algorithm.kl_penalty: kl.KL_ESTIMATORS (kl = k1, mse = k2, low_var_kl = k3); a "+" suffix:
 # the estimate's value with k2's gradient (straight-through, verl's)
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+")

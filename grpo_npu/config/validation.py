@@ -10,8 +10,8 @@ import dataclasses
 import math
 from typing import Any, Iterator, Mapping
 
-from grpo_npu.algo.names import (FILTER_METRICS, POLICY_LOSS_PARAMS, POLICY_LOSS_READS, ROLLOUT_IS_LEVELS,
-                                 parse_rollout_is_threshold, parse_rollout_rs)
+from grpo_npu.algo.names import (FILTER_METRICS, NORM_BY_STD_READERS, POLICY_LOSS_PARAMS, POLICY_LOSS_READS,
+                                 ROLLOUT_IS_LEVELS, parse_rollout_is_threshold, parse_rollout_rs)
 from grpo_npu.config.derived import derive, loaded_contents, require
 from grpo_npu.config.schema import Config
 from grpo_npu.errors import ConfigError
@@ -208,6 +208,9 @@ def validate(cfg: Config) -> None:
     require(alg.adv_estimator != "grpo_vectorized" or alg.norm_adv_by_std_in_grpo,
             "algorithm.adv_estimator=grpo_vectorized with algorithm.norm_adv_by_std_in_grpo=False: verl 0.9.1's "
             "grpo_vectorized divides by the std whatever this key says; use adv_estimator=grpo for Dr.GRPO")
+    require(alg.norm_adv_by_std_in_grpo or alg.adv_estimator in NORM_BY_STD_READERS,
+            f"algorithm.norm_adv_by_std_in_grpo=False is read by adv_estimator {', '.join(NORM_BY_STD_READERS)} only; "
+            f"adv_estimator={alg.adv_estimator} would not read it: remove it")
     require(alg.adv_estimator != "grpo_passk" or rollout.n >= 2,
             f"algorithm.adv_estimator=grpo_passk needs actor_rollout_ref.rollout.n >= 2 (it rewards each group's best "
             f"response against its second best), got {rollout.n}")
