@@ -133,7 +133,7 @@ class GroupScores(NamedTuple):
 
 
 def scores_by_group(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids,
-                  scores: torch.Tensor | None = None) -> GroupScores:
+                    scores: torch.Tensor | None = None) -> GroupScores:
     """Sequence scores s_i (the rewards' sums, or ``scores`` (B,) as given) and their group's (mean, std, size)
     gathered to (B,); mean 0 for groups of one."""
     valid = valid_mask(token_level_rewards, response_mask)

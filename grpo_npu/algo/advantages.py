@@ -28,7 +28,8 @@ import torch
 
 from grpo_npu.algo.advantage_base import (ADVANTAGE_ESTIMATORS, GRPO_EPS, OPTIONAL_INPUTS, AdvantageEstimator,
                                           broadcast_rows, compute_advantage, estimator_inputs, get_advantage_fn,
-                                          register_advantage, reward_to_go, scores_by_group, valid_mask)
+                                          register_advantage, reward_to_go, scores_by_group, sequence_scores,
+                                          valid_mask)
 from grpo_npu.algo.groups import group_index
 from grpo_npu.algo.masked import acc_dtype, masked_values, masked_whiten
 from grpo_npu.algo.token_baselines import score_norm_proxy  # importing it registers the optimal token baselines
@@ -143,7 +144,7 @@ def opo_advantage(
     """OPO (On-Policy RL with Optimal reward baseline): s_i minus the length-weighted mean score of its group,
     sum_j |y_j| s_j / sum_j |y_j|; a group of one keeps its score (baseline 0), as does a group with no tokens."""
     valid = valid_mask(token_level_rewards, response_mask)
-    scores = masked_values(token_level_rewards, valid).sum(-1)  # (B,)
+    scores = sequence_scores(token_level_rewards, valid)  # (B,)
     lengths = valid.sum(-1).to(scores.dtype)
     index, num_groups = group_index(group_ids, scores.shape[0], device=scores.device)
     weighted = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(0, index, lengths * scores)

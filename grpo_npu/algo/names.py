@@ -49,6 +49,8 @@ POLICY_LOSS_READS = {
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 # actor.loss_agg_mode (and critic.loss_agg_mode): losses.agg_loss
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# algorithm.pf_ppo.reweight_method: the resampling weight of PF-PPO (pf_ppo.resample_weights)
+PF_PPO_REWEIGHT_METHODS = ("pow", "max_min", "max_random")
 # algorithm.filter_groups.metric: the per-response value whose std within a group DAPO's
 # dynamic sampling (dapo.filter_groups) tests; the trainer reads it from the batch
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
@@ -124,5 +126,3 @@ def parse_rollout_rs(rollout_rs: str, threshold) -> tuple[tuple[str, float | Non
             raise ValueError(f"{tkey}={threshold!r}: {option} needs positive bounds, got {spec!r}")
         parsed.append((option, lower, upper))
     return tuple(parsed)
-# algorithm.pf_ppo.reweight_method: the resampling weight of PF-PPO (pf_ppo.resample_weights)
-PF_PPO_REWEIGHT_METHODS = ("pow", "max_min", "max_random")
